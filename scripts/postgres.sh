@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# A local PostgreSQL for development and tests, from Debian's packages (installed if missing).
+#
+#   scripts/postgres.sh start     # idempotent: reuses a running cluster, or DATABASE_URL if set
+#   scripts/postgres.sh stop | restart | status
+#   scripts/postgres.sh url        # prints the owner's DATABASE_URL
+#   scripts/postgres.sh worker-url # prints the least-privileged worker's DATABASE_URL
+#
+# Roles created (idempotent):
+#   stock_ledger         owner of database stock_ledger; runs migrations; CREATEDB/CREATEROLE for tests
+#   stock_ledger_app     NOLOGIN group role; migrations grant it exactly what the worker needs
+#   stock_ledger_worker  LOGIN, member of stock_ledger_app: what `stock-ledger run` connects as
+set -euo pipefail
+
+PGPORT="${PGPORT:-5432}"
+OWNER_PASSWORD="${STOCK_LEDGER_DB_PASSWORD:-stock_ledger}"
+WORKER_PASSWORD="${STOCK_LEDGER_WORKER_PASSWORD:-stock_ledger_worker}"
+state="${STOCK_LEDGER_STATE:-$HOME/.local/state/stock-ledger}/postgres"
+
+log() { printf '[postgres] %s\n' "$*" >&2; }
+
+owner_url() { echo "postgresql://stock_ledger:$OWNER_PASSWORD@127.0.0.1:$PGPORT/stock_ledger"; }
+worker_url() { echo "postgresql://stock_ledger_worker:$WORKER_PASSWORD@127.0.0.1:$PGPORT/stock_ledger"; }
+
+pg_bin() {
+  local v
+  v="$(ls /usr/lib/postgresql 2>/dev/null | sort -V | tail -n 1)"
+  [[ -n "$v" ]] && echo "/usr/lib/postgresql/$v/bin"
+}
+
+ensure_installed() {
+  if [[ -n "$(pg_bin)" ]]; then return; fi
+  if [[ "$(id -u)" != 0 ]]; then
+    log "PostgreSQL is not installed and this is not root: run 'sudo apt-get install -y postgresql' or set DATABASE_URL"
+    exit 1
+  fi
+  log "installing Debian's postgresql package (first run only)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  apt-get install -y -qq postgresql >/dev/null
+}
+
+# As root we use a Debian-managed cluster (run as the postgres user); as anyone else, a private cluster in $state.
+as_root() { [[ "$(id -u)" == 0 ]]; }
+
+psql_admin() {
+  if as_root; then
+    runuser -u postgres -- psql -X -q -v ON_ERROR_STOP=1 -p "$PGPORT" -d postgres "$@"
+  else
+    psql -X -q -v ON_ERROR_STOP=1 -h "$state/run" -p "$PGPORT" -d postgres "$@"
+  fi
+}
+
+ready() {
+  if as_root; then runuser -u postgres -- "$(pg_bin)/pg_isready" -q -p "$PGPORT" 2>/dev/null
+  else "$(pg_bin)/pg_isready" -q -h "$state/run" -p "$PGPORT" 2>/dev/null; fi
+}
+
+start_cluster() {
+  if as_root; then
+    local ver; ver="$(basename "$(dirname "$(pg_bin)")")"
+    if ! pg_lsclusters -h 2>/dev/null | awk '{print $2}' | grep -qx stockledger; then
+      log "creating Debian cluster $ver/stockledger on port $PGPORT"
+      pg_createcluster "$ver" stockledger --port "$PGPORT" -- --auth-local=peer --auth-host=scram-sha-256 >/dev/null
+      # Enough connections for several workers plus tests; fsync stays on: durability is what we test.
+      printf "max_connections = 300\nlisten_addresses = '127.0.0.1'\n" \
+        >"/etc/postgresql/$ver/stockledger/conf.d/stock-ledger.conf"
+    fi
+    log "starting cluster $ver/stockledger"
+    pg_ctlcluster "$ver" stockledger start
+  else
+    if [[ ! -f "$state/data/PG_VERSION" ]]; then
+      log "initialising a private cluster in $state/data"
+      mkdir -p "$state/run"
+      "$(pg_bin)/initdb" -D "$state/data" -A trust -U "$(id -un)" >/dev/null
+    fi
+    log "starting private cluster on 127.0.0.1:$PGPORT"
+    "$(pg_bin)/pg_ctl" -D "$state/data" -l "$state/postgres.log" -w \
+      -o "-p $PGPORT -k $state/run -c listen_addresses=127.0.0.1 -c max_connections=300" start >/dev/null
+  fi
+  for _ in $(seq 1 60); do ready && return; sleep 0.5; done
+  log "PostgreSQL did not become ready within 30 s"; exit 1
+}
+
+ensure_roles() {
+  psql_admin <<SQL
+SET client_min_messages = warning;
+DO \$\$
+BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger') THEN
+    CREATE ROLE stock_ledger LOGIN CREATEDB CREATEROLE;
+  END IF;
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
+    CREATE ROLE stock_ledger_app NOLOGIN;
+  END IF;
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
+    CREATE ROLE stock_ledger_worker LOGIN;
+  END IF;
+END
+\$\$;
+ALTER ROLE stock_ledger PASSWORD '$OWNER_PASSWORD';
+ALTER ROLE stock_ledger_worker PASSWORD '$WORKER_PASSWORD';
+GRANT stock_ledger_app TO stock_ledger_worker;
+GRANT stock_ledger_app TO stock_ledger WITH ADMIN OPTION;
+SQL
+  if ! psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'stock_ledger'" | grep -q 1; then
+    psql_admin -c "CREATE DATABASE stock_ledger OWNER stock_ledger"
+  fi
+}
+
+start() {
+  if [[ -n "${DATABASE_URL:-}" ]]; then
+    log "DATABASE_URL is set: using it, not starting a local PostgreSQL"
+    return
+  fi
+  ensure_installed
+  if ready; then log "already running on port $PGPORT"; else start_cluster; fi
+  ensure_roles
+  log "ready: $(owner_url | sed 's/:[^:@]*@/:***@/')"
+}
+
+stop() {
+  if as_root; then
+    local ver; ver="$(basename "$(dirname "$(pg_bin)")")"
+    pg_ctlcluster "$ver" stockledger stop -m fast 2>/dev/null || log "not running"
+  else
+    "$(pg_bin)/pg_ctl" -D "$state/data" -m fast stop >/dev/null 2>&1 || log "not running"
+  fi
+}
+
+case "${1:-start}" in
+  start) start ;;
+  stop) stop ;;
+  restart) stop; start ;;
+  status) if ready; then echo running; else echo stopped; exit 1; fi ;;
+  url) owner_url ;;
+  worker-url) worker_url ;;
+  *) echo "usage: $0 start|stop|restart|status|url|worker-url" >&2; exit 2 ;;
+esac

@@ -1,0 +1,5 @@
+import sys
+
+from stock_ledger.cli import main
+
+sys.exit(main())

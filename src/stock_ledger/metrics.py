@@ -1,0 +1,84 @@
+"""Prometheus metrics, registered on a registry the service owns (a fresh one per test)."""
+
+from __future__ import annotations
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stock_ledger.domain import RejectCode
+
+_P = "stock_ledger_"
+_RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race", "claim")
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        part = ["topic", "partition"]
+        # Positions, refreshed on a timer from Kafka and PostgreSQL (positions.py).
+        self.db_offset = Gauge(_P + "partition_db_offset", "Next offset to apply, stored in PostgreSQL.", part,
+                               registry=registry)
+        self.log_end_offset = Gauge(_P + "partition_log_end_offset", "Log end offset of the partition in Kafka.",
+                                    part, registry=registry)
+        self.kafka_committed_offset = Gauge(_P + "partition_kafka_committed_offset",
+                                            "The group's committed offset in Kafka (advisory).", part,
+                                            registry=registry)
+        self.lag = Gauge(_P + "partition_lag_messages", "Log end offset minus the PostgreSQL offset.", part,
+                         registry=registry)
+        self.drift = Gauge(_P + "partition_offset_drift_messages",
+                           "PostgreSQL offset minus Kafka's committed offset; negative means the seek path is broken.",
+                           part, registry=registry)
+        self.assigned_partitions = Gauge(_P + "assigned_partitions", "Partitions claimed by this worker.",
+                                         registry=registry)
+        self.ready = Gauge(_P + "ready", "1 when connected and every assigned partition is claimed.",
+                           registry=registry)
+        self.last_commit = Gauge(_P + "last_commit_timestamp_seconds", "Unix time of the last batch commit.",
+                                 registry=registry)
+        # Work.
+        self.applied = Counter(_P + "movements_applied", "Movements applied to the ledger.", registry=registry)
+        self.rejected = Counter(_P + "movements_rejected", "Records quarantined in rejected_movements.", ["reason"],
+                                registry=registry)
+        self.batches = Counter(_P + "batches_committed", "Batch transactions committed.", registry=registry)
+        self.fenced = Counter(_P + "batches_fenced", "Batches rolled back because another claim owns a partition.",
+                              registry=registry)
+        self.rebalances = Counter(_P + "rebalances", "Partition assignments received from the group.",
+                                  registry=registry)
+        self.claims = Counter(_P + "partition_claims", "Partitions claimed in PostgreSQL.", registry=registry)
+        self.retries = Counter(_P + "retries", "Retried operations by cause.", ["cause"], registry=registry)
+        # Latency.
+        self.batch_duration = Histogram(
+            _P + "batch_duration_seconds", "Duration of the batch transaction.", registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.batch_records = Histogram(
+            _P + "batch_records", "Records per batch.", registry=registry,
+            buckets=(1, 10, 50, 100, 500, 1000, 2500, 5000, 10000, 25000),
+        )
+        self.end_to_end = Histogram(
+            _P + "end_to_end_latency_seconds", "Kafka record timestamp to PostgreSQL commit.", registry=registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        # Ledger invariants, on a slow timer (positions.py).
+        self.duplicate_rows = Gauge(_P + "ledger_duplicate_rows", "Rows of stock_movements minus distinct coordinates.",
+                                    registry=registry)
+        self.level_mismatches = Gauge(_P + "ledger_stock_level_mismatches",
+                                      "stock_levels rows that differ from the sum of their movements.",
+                                      registry=registry)
+        self.build_info = Gauge(_P + "build_info", "Versions of stock-ledger and its drivers.",
+                                ["version", "python", "aiokafka", "asyncpg"], registry=registry)
+        self.build_info.labels(_version("stock-ledger"), platform.python_version(), _version("aiokafka"),
+                               _version("asyncpg")).set(1)
+        # Series that must exist before anything happens, so rate() and alerts see a 0, not an absence.
+        for code in RejectCode:
+            self.rejected.labels(code.value)
+        for cause in _RETRY_CAUSES:
+            self.retries.labels(cause)

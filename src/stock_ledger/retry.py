@@ -1,0 +1,63 @@
+"""Which faults are transient, and a bounded exponential backoff for them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Final
+
+import asyncpg
+from aiokafka.errors import KafkaError
+
+from stock_ledger.errors import RetryDeadlineExceeded
+
+_PG_TRANSIENT: Final = (
+    asyncpg.PostgresConnectionError,   # connection lost or refused
+    asyncpg.InterfaceError,            # connection closed under us
+    asyncpg.OperatorInterventionError,  # pg_terminate_backend, shutdown, cannot connect now, query canceled
+    asyncpg.InsufficientResourcesError,  # too many connections, disk full
+    asyncpg.TransactionRollbackError,  # deadlock, serialization failure
+    asyncpg.LockNotAvailableError,     # lock_timeout: a (possibly frozen) peer holds the row
+    asyncpg.IdleInTransactionSessionTimeoutError,  # we were frozen mid-transaction and the server gave up on us
+    asyncpg.UniqueViolationError,      # movement_id raced in from another partition: the retry quarantines it
+)
+
+
+def transient_cause(exc: BaseException) -> str | None:
+    """A low-cardinality cause label if `exc` may succeed on retry, else None."""
+    if isinstance(exc, asyncpg.LockNotAvailableError):
+        return "lock"
+    if isinstance(exc, asyncpg.UniqueViolationError):
+        return "movement_id_race"
+    if isinstance(exc, _PG_TRANSIENT):
+        return "database"
+    if isinstance(exc, KafkaError) and getattr(exc, "retriable", False):
+        return "kafka"
+    if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
+        return "database"
+    return None
+
+
+class Backoff:
+    """Exponential backoff with full jitter, giving up once `deadline` seconds have passed since the first fault."""
+
+    def __init__(self, deadline: float, first: float = 0.1, cap: float = 5.0) -> None:
+        self._deadline, self._first, self._cap = deadline, first, cap
+        self._started: float | None = None
+        self.attempt = 0
+
+    def reset(self) -> None:
+        self._started, self.attempt = None, 0
+
+    async def wait(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self._started is None:
+            self._started = now
+        if now - self._started > self._deadline:
+            raise RetryDeadlineExceeded(
+                f"{what} kept failing for {now - self._started:.0f}s (limit STOCK_LEDGER_RETRY_DEADLINE_SECONDS="
+                f"{self._deadline:g}): last error {type(exc).__name__}: {exc}; exiting so the pod is restarted"
+            ) from exc
+        self.attempt += 1
+        await asyncio.sleep(random.uniform(0, min(self._cap, self._first * 2**self.attempt)))  # noqa: S311

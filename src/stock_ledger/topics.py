@@ -1,0 +1,47 @@
+"""Creating the topic (explicitly: the brokers run with auto.create.topics.enable=false)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+
+log = structlog.get_logger(__name__)
+
+
+async def ensure_topic(bootstrap: str, topic: str, partitions: int = 24, replication: int = 1,
+                       attempts: int = 30) -> bool:
+    """Create `topic` if absent; return True if created. Retries while the broker is still starting."""
+    for attempt in range(1, attempts + 1):
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        try:
+            await admin.start()
+            if topic in await admin.list_topics():
+                return False
+            await admin.create_topics([NewTopic(topic, partitions, replication)])
+        except TopicAlreadyExistsError:
+            return False
+        except KafkaConnectionError as exc:
+            if attempt == attempts:
+                raise
+            log.info("topic.waiting_for_broker", bootstrap=bootstrap, attempt=attempt, error=str(exc))
+            await asyncio.sleep(1)
+            continue
+        finally:
+            await admin.close()
+        log.info("topic.created", topic=topic, partitions=partitions)
+        return True
+    return False
+
+
+async def partitions_of(bootstrap: str, topic: str) -> list[int]:
+    """The topic's partition numbers, from a fresh metadata request (empty if the topic does not exist)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return sorted(p["partition"] for t in described if t["error_code"] == 0 for p in t["partitions"])
