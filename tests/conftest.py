@@ -1,0 +1,151 @@
+"""Real services for the tests: a real Apache Kafka broker and a real PostgreSQL.
+
+Where they come from, in order:
+1. KAFKA_BOOTSTRAP_SERVERS and DATABASE_URL are both set: use them (DATABASE_URL must be able to CREATE DATABASE and
+   CREATE ROLE; each test gets its own database and topic).
+2. A Docker engine answers: testcontainers start Kafka and PostgreSQL.
+3. Otherwise: scripts/kafka.sh and scripts/postgres.sh start them on this machine (idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+import pytest_asyncio
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from stock_ledger.migrate import migrate
+from tests.helpers import Env, Services, WorkerPool
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_PASSWORD = "stock_ledger_worker"  # noqa: S105 - a local test role
+
+
+def _docker_engine() -> bool:
+    """Does a Docker engine answer /_ping? (A raw probe: the docker SDK leaks its socket when none runs.)"""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        if host.startswith("unix://"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: str | tuple[str, int] = host.removeprefix("unix://")
+        elif host.startswith("tcp://"):
+            sock = socket.socket()
+            name, _, port = host.removeprefix("tcp://").partition(":")
+            address = (name, int(port or 2375))
+        else:
+            return False
+        with sock:
+            sock.settimeout(3)
+            sock.connect(address)
+            sock.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            return b" 200 " in sock.recv(64)
+    except OSError:
+        return False
+
+
+def _script(name: str, *args: str) -> str:
+    done = subprocess.run(["bash", str(ROOT / "scripts" / name), *args], check=False, capture_output=True,
+                          text=True, timeout=600, env={k: v for k, v in os.environ.items()
+                                                       if k not in {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL"}})
+    if done.returncode != 0:
+        pytest.fail(f"scripts/{name} {' '.join(args)} failed ({done.returncode}):\n{done.stderr}\n{done.stdout}")
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    kafka, db = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("DATABASE_URL")
+    if kafka and db:
+        yield Services(kafka, db, origin="environment")
+        return
+    if _docker_engine():
+        from testcontainers.kafka import KafkaContainer  # noqa: PLC0415
+        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
+
+        with KafkaContainer("apache/kafka:4.1.1").with_kraft() as k, PostgresContainer("postgres:15") as p:
+            url = p.get_connection_url(driver=None).replace("postgresql+psycopg2://", "postgresql://")
+            yield Services(k.get_bootstrap_server(), url, origin="testcontainers")
+        return
+    _script("kafka.sh", "start")
+    _script("postgres.sh", "start")
+    yield Services("127.0.0.1:9092", _script("postgres.sh", "url"), origin="scripts", root=ROOT)
+
+
+@pytest.fixture(scope="session")
+def worker_role(services: Services) -> str:
+    """The least-privileged LOGIN role the workers run as (a member of stock_ledger_app)."""
+
+    async def ensure() -> None:
+        conn = await asyncpg.connect(services.admin_url)
+        try:
+            await conn.execute("""
+                DO $$ BEGIN
+                  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
+                    CREATE ROLE stock_ledger_app NOLOGIN; END IF;
+                  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
+                    CREATE ROLE stock_ledger_worker LOGIN; END IF;
+                END $$""")
+            await conn.execute(f"ALTER ROLE stock_ledger_worker PASSWORD '{WORKER_PASSWORD}'")
+            await conn.execute("GRANT stock_ledger_app TO stock_ledger_worker")
+        finally:
+            await conn.close()
+
+    asyncio.run(ensure())
+    return "stock_ledger_worker"
+
+
+@pytest_asyncio.fixture
+async def database(services: Services, worker_role: str) -> AsyncIterator[Env]:
+    """A fresh, migrated database; `owner_url` for setup and checks, `worker_url` for the workers."""
+    name = f"sl_test_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(services.admin_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    owner_url = services.url_for(name)
+    await migrate(owner_url, ROOT / "migrations")
+    yield Env(owner_url=owner_url, worker_url=services.url_for(name, user=worker_role, password=WORKER_PASSWORD),
+              name=name)
+    admin = await asyncpg.connect(services.admin_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest_asyncio.fixture
+async def topic(services: Services) -> AsyncIterator[str]:
+    """A fresh topic with the production shape: 24 partitions."""
+    name = f"warehouse.movements.test-{uuid.uuid4().hex[:10]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, 24, 1)])
+    finally:
+        await admin.close()
+    yield name
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
+    await admin.start()
+    try:
+        await admin.delete_topics([name])
+    except Exception:  # noqa: S110 - cleanup of a test topic is best effort
+        pass
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+def workers(services: Services, database: Env, topic: str, tmp_path: Path) -> Iterator[WorkerPool]:
+    """Starts `stock-ledger run` subprocesses; every one still alive is killed at the end."""
+    pool = WorkerPool(services, database, topic, group=f"stock-ledger-test-{uuid.uuid4().hex[:8]}", logs=tmp_path)
+    yield pool
+    pool.kill_all()

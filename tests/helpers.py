@@ -1,0 +1,313 @@
+"""Test tools: worker subprocesses, raw producers, and an independent check of the ledger.
+
+The check deliberately does not reuse stock_ledger.verify: it reads the topic and the tables itself, so a bug in
+the product's verifier cannot hide a bug in the product.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+
+@dataclass(frozen=True)
+class Services:
+    kafka: str
+    admin_url: str
+    origin: str
+    root: Path | None = None
+
+    def url_for(self, database: str, user: str | None = None, password: str | None = None) -> str:
+        parts = urlsplit(self.admin_url)
+        netloc = parts.netloc
+        if user is not None:
+            host = netloc.rsplit("@", 1)[-1]
+            netloc = f"{user}:{password}@{host}"
+        return urlunsplit((parts.scheme, netloc, f"/{database}", parts.query, parts.fragment))
+
+    def control(self, script: str, action: str) -> None:
+        """Stop/start/restart a service this test run owns (scripts mode only)."""
+        if self.root is None:
+            msg = (f"this fault test restarts the services it runs against, which needs the project's scripts "
+                   f"(services came from: {self.origin}); unset KAFKA_BOOTSTRAP_SERVERS/DATABASE_URL to use them")
+            raise AssertionError(msg)
+        env = {k: v for k, v in os.environ.items() if k not in {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL"}}
+        subprocess.run(["bash", str(self.root / "scripts" / script), action], check=True, env=env, timeout=300,
+                       capture_output=True)
+
+
+@dataclass(frozen=True)
+class Env:
+    owner_url: str
+    worker_url: str
+    name: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    env: dict[str, str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.signal(signal.SIGCONT)  # a SIGSTOPped process dies only once it runs again
+        self.proc.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def get(self, path: str, timeout: float = 2) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:  # noqa: S310
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample from the real /metrics endpoint (None if absent)."""
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+        _, body = self.get("/metrics")
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                    return float(sample.value)
+        return None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class WorkerPool:
+    services: Services
+    db: Env
+    topic: str
+    group: str
+    logs: Path
+    started: list[WorkerProcess] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
+        env.update({
+            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
+            "DATABASE_URL": self.db.worker_url,
+            "STOCK_LEDGER_TOPIC": self.topic,
+            "STOCK_LEDGER_GROUP_ID": self.group,
+            "STOCK_LEDGER_SESSION_TIMEOUT_MS": "6000",
+            "STOCK_LEDGER_REBALANCE_TIMEOUT_MS": "20000",
+            "STOCK_LEDGER_LOG_FORMAT": "json",
+            "STOCK_LEDGER_LOG_LEVEL": "info",
+            "STOCK_LEDGER_POSITION_REFRESH_SECONDS": "1",
+            "STOCK_LEDGER_INVARIANT_REFRESH_SECONDS": "2",
+            "STOCK_LEDGER_RETRY_DEADLINE_SECONDS": "120",
+        })
+        env.update(extra)
+        return env
+
+    def start(self, **extra: str) -> WorkerProcess:
+        port = free_port()
+        log = self.logs / f"worker-{len(self.started)}-{uuid.uuid4().hex[:6]}.log"
+        env = self.env(STOCK_LEDGER_METRICS_PORT=str(port), **extra)
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        worker = WorkerProcess(proc, port, log, env)
+        self.started.append(worker)
+        return worker
+
+    def alive(self) -> list[WorkerProcess]:
+        return [w for w in self.started if w.alive()]
+
+    def kill_all(self) -> None:
+        for w in self.started:
+            if w.alive():
+                w.kill()
+
+    def logs_tail(self, lines: int = 40) -> str:
+        return "\n".join(f"--- {w.log.name} (exit {w.proc.poll()})\n" + "\n".join(w.log_text().splitlines()[-lines:])
+                         for w in self.started)
+
+
+# ------------------------------------------------------------------------------------------ producing
+
+def movement(sku: str = "SKU-1", *, qty: int = 5, kind: str = "receipt", warehouse: str = "WH-1",
+             movement_id: str | None = None, **extra: object) -> dict[str, object]:
+    return {"movement_id": movement_id or str(uuid.uuid4()), "warehouse_id": warehouse, "sku": sku, "qty": qty,
+            "kind": kind, "occurred_at": "2026-11-29T10:00:00+01:00", **extra}
+
+
+async def send_raw(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None]]) -> int:
+    """Send exactly these key/value bytes (an idempotent producer, so no broker-side duplicates)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5)
+    await producer.start()
+    n = 0
+    try:
+        futures = [await producer.send(topic, key=k, value=v) for k, v in records]
+        await producer.flush()
+        for f in futures:
+            await f
+            n += 1
+    finally:
+        await producer.stop()
+    return n
+
+
+# ------------------------------------------------------------------------------------------ checking
+
+async def topic_offsets(bootstrap: str, topic: str) -> dict[int, list[int]]:
+    """Every committed record's offset, per partition, read from the broker."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    tps = [TopicPartition(topic, p["partition"]) for p in described[0]["partitions"]]
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        found: dict[int, list[int]] = {tp.partition: [] for tp in tps}
+        while any([await consumer.position(tp) < ends[tp] for tp in tps]):
+            for tp, records in (await consumer.getmany(timeout_ms=500, max_records=20_000)).items():
+                found[tp.partition].extend(r.offset for r in records)
+        return found
+    finally:
+        await consumer.stop()
+
+
+async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            described = await admin.describe_topics([topic])
+        finally:
+            await admin.close()
+        tps = [TopicPartition(topic, p["partition"]) for p in described[0]["partitions"]]
+        return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+async def wait_drained(services: Services, db: Env, topic: str, group: str, timeout: float,
+                       pool: WorkerPool | None = None) -> None:
+    """Wait until the stored offsets reach every partition's log end."""
+    ends = await end_offsets(services.kafka, topic)
+    deadline = time.monotonic() + timeout
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        while True:
+            stored = {r[0]: r[1] for r in await conn.fetch(
+                "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
+                group, topic)}
+            behind = {p: e - (stored.get(p) or 0) for p, e in ends.items() if e > (stored.get(p) or 0)}
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                detail = pool.logs_tail() if pool else ""
+                raise AssertionError(f"not drained after {timeout}s; behind per partition: {behind}\n{detail}")
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(Exception):
+                ends = await end_offsets(services.kafka, topic)
+    finally:
+        await conn.close()
+
+
+@dataclass
+class LedgerState:
+    rows: int
+    distinct_sources: int
+    rejected: int
+    gaps: dict[int, list[int]]
+    overlaps: dict[int, list[int]]
+    level_mismatches: int
+    offsets_behind: dict[int, tuple[int | None, int]]
+    produced: int
+
+
+async def ledger_state(services: Services, db: Env, topic: str, group: str) -> LedgerState:
+    offsets = await topic_offsets(services.kafka, topic)
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        rows, distinct = await conn.fetchrow("SELECT count(*), count(DISTINCT source) FROM stock_movements")
+        applied = {(r[0], r[1]) for r in await conn.fetch(
+            "SELECT kafka_partition, kafka_offset FROM stock_movements WHERE kafka_topic = $1", topic)}
+        rejected = {(r[0], r[1]) for r in await conn.fetch(
+            "SELECT kafka_partition, kafka_offset FROM rejected_movements WHERE kafka_topic = $1", topic)}
+        mismatches = await conn.fetchval("""
+            SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS t FROM stock_movements GROUP BY 1, 2) m
+            FULL JOIN stock_levels l USING (warehouse_id, sku) WHERE coalesce(m.t, 0) <> coalesce(l.on_hand, 0)""")
+        stored = {r[0]: r[1] for r in await conn.fetch(
+            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+    finally:
+        await conn.close()
+    gaps: dict[int, list[int]] = {}
+    overlaps: dict[int, list[int]] = {}
+    behind: dict[int, tuple[int | None, int]] = {}
+    for p, offs in offsets.items():
+        missing = [o for o in offs if (p, o) not in applied and (p, o) not in rejected]
+        if missing:
+            gaps[p] = missing[:10]
+        both = [o for o in offs if (p, o) in applied and (p, o) in rejected]
+        if both:
+            overlaps[p] = both[:10]
+        if offs and (stored.get(p) or 0) != offs[-1] + 1:
+            behind[p] = (stored.get(p), offs[-1] + 1)
+    return LedgerState(rows, distinct, len(rejected), gaps, overlaps, mismatches, behind,
+                       sum(len(v) for v in offsets.values()))
+
+
+async def assert_exact(services: Services, db: Env, topic: str, group: str, *, rows: int, rejected: int = 0,
+                       pool: WorkerPool | None = None) -> LedgerState:
+    """The guarantee: every record exactly once in exactly one table, levels exact, offsets at the log end."""
+    s = await ledger_state(services, db, topic, group)
+    context = f"\n{pool.logs_tail()}" if pool else ""
+    assert s.rows == s.distinct_sources, f"duplicates: {s.rows} rows, {s.distinct_sources} distinct{context}"
+    assert not s.gaps, f"gaps (records in neither table): {s.gaps}{context}"
+    assert not s.overlaps, f"records both applied and rejected: {s.overlaps}"
+    assert s.rows == rows, f"expected {rows} rows, found {s.rows} (rejected {s.rejected}){context}"
+    assert s.rejected == rejected, f"expected {rejected} rejected, found {s.rejected}"
+    assert s.level_mismatches == 0, f"{s.level_mismatches} stock_levels rows differ from the sum of movements"
+    assert not s.offsets_behind, f"stored next_offset != last offset + 1: {s.offsets_behind}"
+    return s
