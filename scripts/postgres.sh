@@ -102,6 +102,8 @@ ALTER ROLE stock_ledger PASSWORD '$OWNER_PASSWORD';
 ALTER ROLE stock_ledger_worker PASSWORD '$WORKER_PASSWORD';
 GRANT stock_ledger_app TO stock_ledger_worker;
 GRANT stock_ledger_app TO stock_ledger WITH ADMIN OPTION;
+-- Tests terminate worker sessions (pg_terminate_backend) to prove the retry path.
+GRANT pg_signal_backend TO stock_ledger;
 SQL
   if ! psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'stock_ledger'" | grep -q 1; then
     psql_admin -c "CREATE DATABASE stock_ledger OWNER stock_ledger"

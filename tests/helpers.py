@@ -97,6 +97,8 @@ class WorkerProcess:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
+        except (urllib.error.URLError, OSError):
+            return 0, ""  # not listening (yet, or any more)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """One sample from the real /metrics endpoint (None if absent)."""
@@ -311,3 +313,47 @@ async def assert_exact(services: Services, db: Env, topic: str, group: str, *, r
     assert s.level_mismatches == 0, f"{s.level_mismatches} stock_levels rows differ from the sum of movements"
     assert not s.offsets_behind, f"stored next_offset != last offset + 1: {s.offsets_behind}"
     return s
+
+
+async def assert_atomic(db: Env, topic: str, group: str) -> tuple[int, int]:
+    """Between any two commits the ledger holds exactly the records below each stored offset: no row beyond
+    the offset (a half-applied batch) and none missing below it (a lost one). Topics here have no holes."""
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        # One snapshot: other workers may be committing while we look.
+        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        stored = {r[0]: r[1] or 0 for r in await conn.fetch(
+            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+        per_partition = {r[0]: (r[1], r[2]) for r in await conn.fetch("""
+            SELECT kafka_partition, count(*), max(kafka_offset) FROM (
+                SELECT kafka_partition, kafka_offset FROM stock_movements WHERE kafka_topic = $1
+                UNION ALL SELECT kafka_partition, kafka_offset FROM rejected_movements WHERE kafka_topic = $1) t
+            GROUP BY 1""", topic)}
+        rows = await conn.fetchval("SELECT count(*) FROM stock_movements")
+    finally:
+        await conn.close()
+    for p, (count, highest) in per_partition.items():
+        assert highest < stored.get(p, 0), f"partition {p}: row at offset {highest} beyond stored {stored.get(p)}"
+        assert count == stored.get(p, 0), f"partition {p}: {count} rows below stored offset {stored.get(p)}"
+    return rows, sum(stored.values())
+
+
+async def eventually(check: object, timeout: float, what: str, pool: WorkerPool | None = None) -> None:
+    """Poll `check()` (sync or async, truthy = done) every 0.2 s until it holds or `timeout` passes."""
+    assert callable(check)
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{pool.logs_tail() if pool else ''}")
+        await asyncio.sleep(0.2)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter for `pid` (R, S, T for stopped, Z...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]

@@ -7,34 +7,12 @@ import random
 import signal
 import time
 
-import asyncpg
 import pytest
 
 from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, assert_exact, wait_drained
+from tests.helpers import Env, Services, WorkerPool, assert_atomic, assert_exact, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
-
-
-async def assert_atomic(db: Env, topic: str, group: str) -> tuple[int, int]:
-    """Between any two commits the ledger holds exactly the records below each stored offset: no row beyond
-    the offset (a half-applied batch) and none missing below it (a lost one). Topics here have no holes."""
-    conn = await asyncpg.connect(db.owner_url)
-    try:
-        stored = {r[0]: r[1] or 0 for r in await conn.fetch(
-            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
-        per_partition = {r[0]: (r[1], r[2]) for r in await conn.fetch("""
-            SELECT kafka_partition, count(*), max(kafka_offset) FROM (
-                SELECT kafka_partition, kafka_offset FROM stock_movements WHERE kafka_topic = $1
-                UNION ALL SELECT kafka_partition, kafka_offset FROM rejected_movements WHERE kafka_topic = $1) t
-            GROUP BY 1""", topic)}
-        rows = await conn.fetchval("SELECT count(*) FROM stock_movements")
-    finally:
-        await conn.close()
-    for p, (count, highest) in per_partition.items():
-        assert highest < stored.get(p, 0), f"partition {p}: row at offset {highest} beyond stored {stored.get(p)}"
-        assert count == stored.get(p, 0), f"partition {p}: {count} rows below stored offset {stored.get(p)}"
-    return rows, sum(stored.values())
 
 
 @pytest.mark.parametrize("point", ["after_read", "after_rows", "before_commit", "after_commit"])
