@@ -1,0 +1,59 @@
+# syntax=docker/dockerfile:1.7
+# stock-ledger worker image. Two stages: `build` resolves dependencies and builds the wheel into a venv, `runtime`
+# copies only that venv onto a fresh slim base. The image runs as a numeric non-root uid and writes nowhere but
+# /tmp, so it runs under readOnlyRootFilesystem (the Helm chart mounts an emptyDir there).
+# Rules checked by tests/deploy/test_dockerfile.py.
+
+# One pinned patch release for both stages: the venv's interpreter symlinks must resolve to the same Python.
+ARG PYTHON_VERSION=3.11.14
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+WORKDIR /src
+# Dependencies layer: it depends on pyproject.toml alone, so an edit to the source reuses it.
+COPY pyproject.toml ./
+RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
+# The package itself; .dockerignore narrows the context to what a wheel build needs.
+COPY . .
+RUN pip install --no-deps . && pip check
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+ARG PYTHON_VERSION
+ARG VERSION=0.0.0
+ARG REVISION=unknown
+ARG SOURCE=""
+LABEL org.opencontainers.image.title="stock-ledger" \
+      org.opencontainers.image.description="Kafka warehouse.movements to PostgreSQL stock ledger, effectively-once" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.base.name="docker.io/library/python:${PYTHON_VERSION}-slim-bookworm"
+
+# Numeric uid/gid so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd; HOME is /tmp because
+# that is the only writable path at run time.
+RUN groupadd --system --gid 10001 stock-ledger \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
+        --shell /usr/sbin/nologin stock-ledger
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    STOCK_LEDGER_MIGRATIONS_DIR=/app/migrations
+
+# Everything below stays root-owned: the worker cannot modify its own code or migrations.
+COPY --from=build /opt/venv /opt/venv
+COPY migrations/ /app/migrations/
+# The chaos drill (`helm test` with chaos.enabled) runs this script; it needs kubectl too, which this image does
+# not carry: build a chaos image FROM this one that adds kubectl (see helm/stock-ledger/values.yaml, chaos.image).
+COPY --chmod=0755 scripts/chaos.sh /app/scripts/chaos.sh
+
+WORKDIR /app
+USER 10001:10001
+EXPOSE 9108
+ENTRYPOINT ["stock-ledger"]
+CMD ["run"]

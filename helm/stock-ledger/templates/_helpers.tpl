@@ -1,0 +1,193 @@
+{{/*
+Chart name, truncated to the 63 characters a label value allows.
+*/}}
+{{- define "stock-ledger.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name: <release>-<chart>, or the release name alone when it already contains the chart name.
+*/}}
+{{- define "stock-ledger.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "stock-ledger.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels: name and instance only. They are immutable on a Deployment, so nothing that changes between
+releases (version, chart) may appear here. Every pod that is not a worker must NOT carry both of them: the
+Deployment would adopt a bare pod that matches, the PodDisruptionBudget and PodMonitor would count it, and the
+chaos drill (which kills pods by this selector) would kill it.
+*/}}
+{{- define "stock-ledger.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stock-ledger.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The selector as a kubectl label selector string (chaos drill).
+*/}}
+{{- define "stock-ledger.selectorString" -}}
+app.kubernetes.io/name={{ include "stock-ledger.name" . }},app.kubernetes.io/instance={{ .Release.Name }}
+{{- end }}
+
+{{/*
+Labels every object shares, apart from the selector pair.
+*/}}
+{{- define "stock-ledger.commonLabels" -}}
+helm.sh/chart: {{ include "stock-ledger.chart" . }}
+app.kubernetes.io/part-of: {{ include "stock-ledger.name" . }}
+app.kubernetes.io/version: {{ include "stock-ledger.imageTag" . | trunc 63 | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Labels of the worker Deployment, its pods and the objects that describe them.
+*/}}
+{{- define "stock-ledger.labels" -}}
+{{ include "stock-ledger.selectorLabels" . }}
+{{ include "stock-ledger.commonLabels" . }}
+app.kubernetes.io/component: worker
+{{- end }}
+
+{{/*
+Labels for the pods of hooks (migration, chaos): instance and component, deliberately without
+app.kubernetes.io/name (see stock-ledger.selectorLabels). Call with (dict "ctx" $ "component" "migration").
+*/}}
+{{- define "stock-ledger.hookLabels" -}}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{ include "stock-ledger.commonLabels" .ctx }}
+{{- end }}
+
+{{- define "stock-ledger.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{/*
+An image reference from a {repository, tag, digest} value; the digest wins when set.
+Call with (dict "image" .Values.image "ctx" $).
+*/}}
+{{- define "stock-ledger.imageRef" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "stock-ledger.image" -}}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.image "ctx" .) }}
+{{- end }}
+
+{{/*
+The chaos image defaults to the app image; it must also contain kubectl (see values.yaml, chaos.image).
+*/}}
+{{- define "stock-ledger.chaosImage" -}}
+{{- if .Values.chaos.image.repository }}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.chaos.image "ctx" .) }}
+{{- else }}
+{{- include "stock-ledger.image" . }}
+{{- end }}
+{{- end }}
+
+{{- define "stock-ledger.databaseSecret" -}}
+{{- required "database.existingSecret is required: the name of an existing Secret holding the worker's DATABASE_URL" .Values.database.existingSecret }}
+{{- end }}
+
+{{/*
+DATABASE_URL from the existing Secret, never from values: the URL holds a password.
+*/}}
+{{- define "stock-ledger.databaseUrlEnv" -}}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "stock-ledger.databaseSecret" . }}
+      key: {{ .Values.database.secretKey }}
+{{- end }}
+
+{{/*
+Kafka and worker settings as STOCK_LEDGER_* variables. values.schema.json restricts .Values.config to the keys of
+$names, so every key maps to a variable the worker reads. Whole numbers are printed as integers: Helm reads YAML
+numbers as float64, which would otherwise print 1e+06.
+*/}}
+{{- define "stock-ledger.configEnv" -}}
+{{- $names := dict
+  "logLevel" "STOCK_LEDGER_LOG_LEVEL"
+  "logFormat" "STOCK_LEDGER_LOG_FORMAT"
+  "sessionTimeoutMs" "STOCK_LEDGER_SESSION_TIMEOUT_MS"
+  "rebalanceTimeoutMs" "STOCK_LEDGER_REBALANCE_TIMEOUT_MS"
+  "batchMaxRecords" "STOCK_LEDGER_BATCH_MAX_RECORDS"
+  "batchMaxWaitMs" "STOCK_LEDGER_BATCH_MAX_WAIT_MS"
+  "autoOffsetReset" "STOCK_LEDGER_AUTO_OFFSET_RESET"
+  "retryDeadlineSeconds" "STOCK_LEDGER_RETRY_DEADLINE_SECONDS"
+  "lockTimeoutMs" "STOCK_LEDGER_LOCK_TIMEOUT_MS"
+  "idleInTransactionTimeoutMs" "STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS"
+  "shutdownGraceSeconds" "STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS"
+  "stallSeconds" "STOCK_LEDGER_STALL_SECONDS" -}}
+- name: KAFKA_BOOTSTRAP_SERVERS
+  value: {{ .Values.kafka.bootstrapServers | quote }}
+- name: STOCK_LEDGER_TOPIC
+  value: {{ .Values.kafka.topic | quote }}
+- name: STOCK_LEDGER_GROUP_ID
+  value: {{ .Values.kafka.groupId | quote }}
+- name: STOCK_LEDGER_METRICS_PORT
+  value: {{ .Values.metrics.port | int | quote }}
+{{- range $key, $value := .Values.config }}
+- name: {{ get $names $key }}
+  value: {{ ternary (printf "%d" (int64 $value)) (toString $value) (kindIs "float64" $value) | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Security context of every container of the chart; the pods set the matching pod-level fields.
+*/}}
+{{- define "stock-ledger.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+privileged: false
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "stock-ledger.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.runAsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "stock-ledger.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- end }}
+
+{{- define "stock-ledger.tmpVolumeMount" -}}
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{- define "stock-ledger.chaosName" -}}
+{{- printf "%s-chaos" (include "stock-ledger.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}

@@ -1,0 +1,1 @@
+"""Offline checks of the deployment artefacts: Dockerfile, Helm chart, tooling script."""

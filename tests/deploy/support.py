@@ -1,0 +1,85 @@
+"""Shared helpers for the deployment checks: where things are, how to find the tools, rendered manifests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "stock-ledger"
+VALUES_ALL = Path(__file__).resolve().parent / "values-all.yaml"
+KUBE_VERSION = "1.30.0"
+RELEASE = "ledger"
+NAMESPACE = "inventory"
+SECRET = "stock-ledger-db"  # noqa: S105 - the name of a Secret, not a secret
+
+Manifest = dict[str, Any]
+
+
+def tool_dirs() -> list[str]:
+    """PATH, then the cache scripts/tools.sh installs into."""
+    cache = Path(os.environ.get("STOCK_LEDGER_CACHE", Path.home() / ".cache" / "stock-ledger"))
+    return [*os.environ.get("PATH", "").split(os.pathsep), str(cache / "bin")]
+
+
+def require_tool(name: str) -> str:
+    """The tool's path, or a failed test saying how to install it (never a skip: CI must not pass without)."""
+    found = shutil.which(name, path=os.pathsep.join(tool_dirs()))
+    if found is None:
+        pytest.fail(f"{name} not found on PATH or in {tool_dirs()[-1]}: run scripts/tools.sh", pytrace=False)
+    return found
+
+
+def kn(manifest: Manifest) -> str:
+    return f"{manifest['kind']}/{manifest['metadata']['name']}"
+
+
+@dataclass(frozen=True)
+class HelmResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The documents of one `helm template` run, with lookups by kind."""
+
+    manifests: list[Manifest]
+
+    def of_kind(self, kind: str) -> list[Manifest]:
+        return [m for m in self.manifests if m["kind"] == kind]
+
+    def one(self, kind: str, name_suffix: str = "") -> Manifest:
+        found = [m for m in self.of_kind(kind) if m["metadata"]["name"].endswith(name_suffix)]
+        assert len(found) == 1, f"expected one {kind} named *{name_suffix}, found {[kn(m) for m in found]}"
+        return found[0]
+
+    def kinds(self) -> set[str]:
+        return {m["kind"] for m in self.manifests}
+
+
+def pod_spec(manifest: Manifest) -> dict[str, Any]:
+    """The pod spec of a Pod, or of the pod template of a workload."""
+    if manifest["kind"] == "Pod":
+        spec: dict[str, Any] = manifest["spec"]
+        return spec
+    template: dict[str, Any] = manifest["spec"]["template"]["spec"]
+    return template
+
+
+def pod_labels(manifest: Manifest) -> dict[str, str]:
+    if manifest["kind"] == "Pod":
+        labels: dict[str, str] = manifest["metadata"].get("labels", {})
+        return labels
+    template_labels: dict[str, str] = manifest["spec"]["template"]["metadata"].get("labels", {})
+    return template_labels
+
+
+def env_by_name(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}

@@ -1,0 +1,337 @@
+"""The rendered chart has the properties the deployment relies on.
+
+Each class states one property; the `rendered` fixture runs a test against both the defaults and
+tests/deploy/values-all.yaml (every feature on), so a property cannot hold only with features off.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .support import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    SECRET,
+    Manifest,
+    Rendered,
+    env_by_name,
+    kn,
+    pod_labels,
+    pod_spec,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+pytestmark = pytest.mark.deploy
+
+SELECTOR = {"app.kubernetes.io/name": "stock-ledger", "app.kubernetes.io/instance": RELEASE}
+POD_KINDS = ("Deployment", "Job", "Pod")
+
+
+def workloads(rendered: Rendered) -> list[Manifest]:
+    return [m for m in rendered.manifests if m["kind"] in POD_KINDS]
+
+
+def containers(manifest: Manifest) -> list[dict[str, Any]]:
+    spec = pod_spec(manifest)
+    found: list[dict[str, Any]] = spec["containers"] + spec.get("initContainers", [])
+    return found
+
+
+def worker(rendered: Rendered) -> dict[str, Any]:
+    deployment = rendered.one("Deployment")
+    found: dict[str, Any] = containers(deployment)[0]
+    return found
+
+
+class TestSelectors:
+    """Selectors are exactly name + instance, match the worker pods, and match nothing else."""
+
+    def test_deployment_selector_is_name_and_instance(self, rendered: Rendered) -> None:
+        deployment = rendered.one("Deployment")
+        assert deployment["spec"]["selector"] == {"matchLabels": SELECTOR}
+        assert SELECTOR.items() <= pod_labels(deployment).items()
+
+    def test_every_selector_is_the_same(self, rendered: Rendered) -> None:
+        selectors = [rendered.one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]
+        selectors += [m["spec"]["selector"]["matchLabels"] for m in rendered.of_kind("PodMonitor")]
+        spread = pod_spec(rendered.one("Deployment")).get("topologySpreadConstraints", [])
+        assert spread, "the worker pods must have topologySpreadConstraints"
+        selectors += [constraint["labelSelector"]["matchLabels"] for constraint in spread]
+        assert all(selector == SELECTOR for selector in selectors), selectors
+
+    def test_selector_labels_do_not_change_between_versions(self, all_render: Rendered) -> None:
+        """values-all sets another image tag: the selector (immutable on a Deployment) stays the same."""
+        assert all_render.one("Deployment")["spec"]["selector"]["matchLabels"] == SELECTOR
+
+    def test_no_other_pod_matches_the_worker_selector(self, rendered: Rendered) -> None:
+        """Hook pods must not be adopted by the Deployment, counted by the PDB, scraped or killed by chaos."""
+        for manifest in workloads(rendered):
+            if manifest["kind"] == "Deployment":
+                continue
+            labels = pod_labels(manifest)
+            assert not SELECTOR.items() <= labels.items(), f"{kn(manifest)} pods match the worker selector"
+            assert labels.get("app.kubernetes.io/instance") == RELEASE
+
+
+class TestReplicas:
+    """Replica count follows values, within one to one per partition."""
+
+    def test_replicas(self, default_render: Rendered, all_render: Rendered) -> None:
+        assert default_render.one("Deployment")["spec"]["replicas"] == 3
+        assert all_render.one("Deployment")["spec"]["replicas"] == 24
+
+    def test_rollout_never_drops_below_requested_replicas(self, rendered: Rendered) -> None:
+        strategy = rendered.one("Deployment")["spec"]["strategy"]
+        assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+
+
+class TestPodDisruptionBudget:
+    """A PDB limits voluntary evictions of the workers."""
+
+    def test_default_max_unavailable(self, default_render: Rendered) -> None:
+        assert default_render.one("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+    def test_min_available_replaces_max_unavailable(self, all_render: Rendered) -> None:
+        spec = all_render.one("PodDisruptionBudget")["spec"]
+        assert spec["minAvailable"] == 20
+        assert "maxUnavailable" not in spec
+
+
+class TestSecurityContext:
+    """Every pod of the chart runs non-root, read-only, without privileges, under RuntimeDefault seccomp."""
+
+    def test_pod_security_context(self, rendered: Rendered) -> None:
+        for manifest in workloads(rendered):
+            context = pod_spec(manifest)["securityContext"]
+            assert context["runAsNonRoot"] is True, kn(manifest)
+            assert isinstance(context["runAsUser"], int), kn(manifest)
+            assert context["runAsUser"] > 0, kn(manifest)
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, kn(manifest)
+
+    def test_container_security_context(self, rendered: Rendered) -> None:
+        for manifest in workloads(rendered):
+            for container in containers(manifest):
+                context = container["securityContext"]
+                where = f"{kn(manifest)} container {container['name']}"
+                assert context["runAsNonRoot"] is True, where
+                assert isinstance(context["runAsUser"], int), where
+                assert context["runAsUser"] > 0, where
+                assert context["readOnlyRootFilesystem"] is True, where
+                assert context["allowPrivilegeEscalation"] is False, where
+                assert context["capabilities"] == {"drop": ["ALL"]}, where
+                assert context["seccompProfile"] == {"type": "RuntimeDefault"}, where
+
+    def test_tmp_is_a_writable_empty_dir(self, rendered: Rendered) -> None:
+        for manifest in workloads(rendered):
+            volumes = {v["name"]: v for v in pod_spec(manifest)["volumes"]}
+            for container in containers(manifest):
+                mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+                assert "/tmp" in mounts, f"{kn(manifest)}: no /tmp mount"  # noqa: S108 - the point of the test
+                assert "emptyDir" in volumes[mounts["/tmp"]], kn(manifest)  # noqa: S108
+
+    def test_only_the_chaos_pod_talks_to_the_api(self, rendered: Rendered) -> None:
+        for manifest in workloads(rendered):
+            automount = pod_spec(manifest)["automountServiceAccountToken"]
+            assert automount is (manifest["kind"] == "Pod"), kn(manifest)
+
+    def test_resources_set(self, rendered: Rendered) -> None:
+        for manifest in workloads(rendered):
+            for container in containers(manifest):
+                resources = container["resources"]
+                assert {"cpu", "memory"} <= resources["requests"].keys(), kn(manifest)
+                assert "memory" in resources["limits"], kn(manifest)
+
+
+class TestWorkerContainer:
+    """The worker's command, environment, probes and shutdown."""
+
+    def test_runs_the_worker(self, rendered: Rendered) -> None:
+        assert worker(rendered)["args"] == ["run"]
+
+    def test_image_reference(self, default_render: Rendered, all_render: Rendered) -> None:
+        assert worker(default_render)["image"] == "stock-ledger:0.1.0"
+        assert worker(all_render)["image"].startswith(
+            "registry.example.com:5000/inventory/stock-ledger@sha256:"
+        )
+
+    def test_database_url_from_the_existing_secret(
+        self, default_render: Rendered, all_render: Rendered
+    ) -> None:
+        for rendered, key in ((default_render, "DATABASE_URL"), (all_render, "worker-url")):
+            env = env_by_name(worker(rendered))["DATABASE_URL"]
+            assert env == {
+                "name": "DATABASE_URL",
+                "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key}},
+            }
+
+    def test_no_database_url_in_plain_text(self, rendered: Rendered) -> None:
+        for manifest in workloads(rendered):
+            for container in containers(manifest):
+                env = env_by_name(container).get("DATABASE_URL")
+                assert env is not None, f"{kn(manifest)} has no DATABASE_URL"
+                assert "value" not in env, f"{kn(manifest)} carries DATABASE_URL as a literal"
+
+    def test_environment_from_values(self, default_render: Rendered, all_render: Rendered) -> None:
+        env = {e["name"]: e.get("value") for e in worker(default_render)["env"]}
+        assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092"
+        assert env["STOCK_LEDGER_TOPIC"] == "warehouse.movements"
+        assert env["STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS"] == "8"
+        assert env["STOCK_LEDGER_METRICS_PORT"] == "9108"
+        env = {e["name"]: e.get("value") for e in worker(all_render)["env"]}
+        assert env["STOCK_LEDGER_BATCH_MAX_RECORDS"] == "1000000", "large numbers must not render as 1e+06"
+        assert env["STOCK_LEDGER_GROUP_ID"] == "stock-ledger-staging"
+        assert env["STOCK_LEDGER_EXTRA"] == "1"
+        names = [e["name"] for e in worker(all_render)["env"]]
+        assert len(names) == len(set(names)), "duplicate environment variables"
+
+    def test_static_membership_from_pod_name(
+        self, default_render: Rendered, render: Callable[..., Rendered]
+    ) -> None:
+        env = env_by_name(worker(default_render))["STOCK_LEDGER_GROUP_INSTANCE_ID"]
+        assert env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        disabled = render(
+            "--set", f"database.existingSecret={SECRET}", "--set", "staticMembership.enabled=false"
+        )
+        assert "STOCK_LEDGER_GROUP_INSTANCE_ID" not in env_by_name(worker(disabled))
+
+    def test_probes_on_the_metrics_port(self, rendered: Rendered) -> None:
+        container = worker(rendered)
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9108, "protocol": "TCP"}]
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+    def test_termination_grace_covers_a_clean_batch_finish(self, default_render: Rendered) -> None:
+        spec = pod_spec(default_render.one("Deployment"))
+        env = {e["name"]: e.get("value") for e in worker(default_render)["env"]}
+        assert spec["terminationGracePeriodSeconds"] == 30
+        assert spec["terminationGracePeriodSeconds"] > int(env["STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS"]) + 5
+
+
+class TestMigrationJob:
+    """Migrations run as a pre-install/pre-upgrade hook, as the owner role, before the workers start."""
+
+    def test_hook_annotations(self, rendered: Rendered) -> None:
+        annotations = rendered.one("Job", "-migrate")["metadata"]["annotations"]
+        assert set(annotations["helm.sh/hook"].split(",")) == {"pre-install", "pre-upgrade"}
+        assert set(annotations["helm.sh/hook-delete-policy"].split(",")) == {
+            "before-hook-creation",
+            "hook-succeeded",
+        }
+
+    def test_runs_migrate_once(self, rendered: Rendered) -> None:
+        job = rendered.one("Job", "-migrate")
+        assert containers(job)[0]["args"] == ["migrate"]
+        assert pod_spec(job)["restartPolicy"] == "Never"
+
+    def test_owner_secret(self, default_render: Rendered, all_render: Rendered) -> None:
+        """Defaults to the worker's Secret; database.migrationSecret/-Key select the owner's."""
+        expected = {
+            id(default_render): {"name": SECRET, "key": "DATABASE_URL"},
+            id(all_render): {"name": "stock-ledger-db-owner", "key": "owner-url"},
+        }
+        for rendered in (default_render, all_render):
+            env = env_by_name(containers(rendered.one("Job", "-migrate"))[0])["DATABASE_URL"]
+            assert env["valueFrom"]["secretKeyRef"] == expected[id(rendered)]
+
+    def test_uses_no_chart_created_object(self, rendered: Rendered) -> None:
+        """A pre-install hook runs before the release's objects exist: it may use none of them."""
+        spec = pod_spec(rendered.one("Job", "-migrate"))
+        assert "serviceAccountName" not in spec
+        assert all("secret" in v or "emptyDir" in v for v in spec["volumes"])
+
+
+class TestMonitoring:
+    """A PodMonitor with extra labels, else scrape annotations; PrometheusRule and dashboard on request."""
+
+    def test_scrape_annotations_without_pod_monitor(self, default_render: Rendered) -> None:
+        annotations = default_render.one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == "9108"
+        assert annotations["prometheus.io/path"] == "/metrics"
+        assert not default_render.kinds() & {"PodMonitor", "PrometheusRule", "ConfigMap"}
+
+    def test_pod_monitor_replaces_annotations(self, all_render: Rendered) -> None:
+        monitor = all_render.one("PodMonitor")
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert monitor["spec"]["podMetricsEndpoints"] == [
+            {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+        ]
+        annotations = all_render.one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+        assert not [key for key in annotations if key.startswith("prometheus.io/")], "scraped twice"
+        assert annotations["example.com/owner"] == "inventory"
+
+    def test_prometheus_rule_labels(self, all_render: Rendered) -> None:
+        assert all_render.one("PrometheusRule")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+    def test_dashboard_configmap(self, all_render: Rendered) -> None:
+        configmap = all_render.one("ConfigMap", "-dashboard")
+        assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert configmap["metadata"]["annotations"] == {"grafana_folder": "Inventory"}
+        shipped = json.loads((CHART / "files" / "dashboard.json").read_text())
+        assert json.loads(configmap["data"]["stock-ledger.json"]) == shipped
+
+
+class TestChaos:
+    """The chaos drill: least-privilege RBAC in the release namespace, a `helm test` pod for the release."""
+
+    def test_off_by_default(self, default_render: Rendered) -> None:
+        assert not default_render.kinds() & {"ServiceAccount", "Role", "RoleBinding", "Pod"}
+
+    def test_never_cluster_wide(self, rendered: Rendered) -> None:
+        assert not rendered.kinds() & {"ClusterRole", "ClusterRoleBinding"}
+
+    def test_role_limited_to_pods(self, all_render: Rendered) -> None:
+        role = all_render.one("Role")
+        assert role["metadata"]["namespace"] == NAMESPACE
+        assert len(role["rules"]) == 1
+        rule = role["rules"][0]
+        assert rule["apiGroups"] == [""]
+        assert rule["resources"] == ["pods"]
+        assert sorted(rule["verbs"]) == ["delete", "get", "list", "watch"]
+        assert "resourceNames" not in rule
+
+    def test_binding_ties_role_to_the_chaos_account(self, all_render: Rendered) -> None:
+        binding = all_render.one("RoleBinding")
+        account = all_render.one("ServiceAccount")
+        assert binding["metadata"]["namespace"] == NAMESPACE
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": all_render.one("Role")["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+        ]
+        assert all_render.one("Pod")["spec"]["serviceAccountName"] == account["metadata"]["name"]
+
+    def test_test_pod_runs_the_drill_against_the_release(self, all_render: Rendered) -> None:
+        pod = all_render.one("Pod")
+        assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert pod["spec"]["restartPolicy"] == "Never", "a failed verification must fail the test"
+        container = pod["spec"]["containers"][0]
+        assert container["image"] == "registry.example.com:5000/inventory/stock-ledger-chaos:1.2.3"
+        assert container["command"] == ["/app/scripts/chaos.sh"]
+        args = container["args"]
+        options = dict(zip(args[::2], args[1::2], strict=True))
+        assert options == {
+            "--mode": "k8s",
+            "--namespace": NAMESPACE,
+            "--selector": f"app.kubernetes.io/name=stock-ledger,app.kubernetes.io/instance={RELEASE}",
+            "--count": "50000",
+            "--rate": "2500",
+            "--kills": "7",
+            "--interval": "5-20",
+        }
+        env = env_by_name(container)
+        assert env["KAFKA_BOOTSTRAP_SERVERS"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
+        assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": "worker-url"}
+
+    def test_chaos_image_defaults_to_the_app_image(self, render: Callable[..., Rendered]) -> None:
+        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "chaos.enabled=true")
+        assert rendered.one("Pod")["spec"]["containers"][0]["image"] == worker(rendered)["image"]
