@@ -4,6 +4,8 @@ Syntax: comma-separated `point[@n][:action]`. The n-th time (1-based, default 1)
 it takes `action`:
     kill  SIGKILL itself, exactly like an OOMKill or `kubectl delete --force` (default)
     stop  SIGSTOP itself: frozen mid-step, as in a long GC pause; the test thaws it with SIGCONT
+    hang  (after_read only) the main loop waits for shutdown while the event loop and HTTP server live on: a
+          stalled worker, as seen by /healthz
 Points, in batch order:
     after_read     records fetched, nothing written
     after_rows     inside the transaction, movements and quarantine rows written
@@ -20,30 +22,37 @@ from typing import Final
 from stock_ledger.errors import ConfigError
 
 POINTS: Final = ("after_read", "after_rows", "before_commit", "after_commit")
-_ACTIONS: Final = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+_ACTIONS: Final = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": None}
 
 
 class Faults:
     def __init__(self, spec: str | None) -> None:
-        self._armed: dict[str, list[tuple[int, signal.Signals]]] = {}
+        self._armed: dict[str, list[tuple[int, signal.Signals | None]]] = {}
         self._seen: dict[str, int] = dict.fromkeys(POINTS, 0)
         for item in filter(None, (s.strip() for s in (spec or "").split(","))):
             where, _, action = item.partition(":")
             point, _, nth = where.partition("@")
-            if point not in POINTS or (action or "kill") not in _ACTIONS or (nth and not nth.isdigit()):
+            action = action or "kill"
+            if (point not in POINTS or action not in _ACTIONS or (nth and not nth.isdigit())
+                    or (action == "hang" and point != "after_read")):
                 raise ConfigError(
-                    f"STOCK_LEDGER_FAULT item {item!r} must be point[@n][:kill|stop], point one of {', '.join(POINTS)}"
+                    f"STOCK_LEDGER_FAULT item {item!r} must be point[@n][:kill|stop|hang], point one of "
+                    f"{', '.join(POINTS)} (hang: after_read only)"
                 )
-            self._armed.setdefault(point, []).append((int(nth or 1), _ACTIONS[action or "kill"]))
+            self._armed.setdefault(point, []).append((int(nth or 1), _ACTIONS[action]))
 
     def __bool__(self) -> bool:
         return bool(self._armed)
 
-    def reached(self, point: str) -> None:
+    def reached(self, point: str) -> bool:
+        """Count a visit to `point` and act if armed; True means: hang here."""
         plans = self._armed.get(point)
         if not plans:
-            return
+            return False
         self._seen[point] += 1
         for nth, sig in plans:
             if nth == self._seen[point]:
+                if sig is None:
+                    return True
                 os.kill(os.getpid(), sig)
+        return False

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from stock_ledger.domain import RejectCode
 
 _P = "stock_ledger_"
-_RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race", "claim")
+_RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race")
 
 
 def _version(dist: str) -> str:

@@ -231,7 +231,9 @@ class Worker:
                 continue
             if not fetched:
                 continue
-            self.faults.reached("after_read")
+            if self.faults.reached("after_read"):
+                await self.stopping.wait()
+                break
             async with self._batch_lock:
                 batch = self._build(fetched)
                 committed = await self._apply(batch) if batch is not None else None
@@ -390,7 +392,7 @@ class Worker:
             cause = transient_cause(exc)
             if cause is None:
                 raise
-            self.metrics.retries.labels("claim").inc()
+            self.metrics.retries.labels(cause).inc()
             log.warning("claim.retry", cause=cause, error=f"{type(exc).__name__}: {exc}")
             await self._backoff.wait("claiming partitions", exc)
             return

@@ -1,0 +1,120 @@
+"""What Prometheus and the kubelet see: the real /metrics, /healthz and /readyz of a real worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+
+import asyncpg
+import pytest
+
+from stock_ledger.produce import produce
+from tests.helpers import Env, Services, WorkerPool, eventually, movement, send_raw, wait_drained
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+
+def _sum(worker, name: str) -> float:  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    _, body = worker.get("/metrics")
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name)
+
+
+def _per_partition(worker, name: str) -> dict[int, float]:  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    _, body = worker.get("/metrics")
+    return {int(s.labels["partition"]): s.value for f in text_string_to_metric_families(body) for s in f.samples
+            if s.name == name}
+
+
+async def test_metrics_show_lag_drift_work_and_invariants_of_a_real_run(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """5,000 movements and 3 bad records. After draining, scraped from the worker itself: lag 0 on all 24
+    partitions, database offset = log end, drift >= 0, applied = 5,000, rejected by reason as injected,
+    invariants clean; and promtool accepts the exposition."""
+    await produce(services.kafka, topic, 5_000, seed=21, show_progress=False)
+    await send_raw(services.kafka, topic, [(b"SKU-X", b"nope"), (None, b"{}"),
+                                           (b"SKU-X", json.dumps(movement("SKU-Y")).encode())])
+    w = workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    await eventually(lambda: len(_per_partition(w, "stock_ledger_partition_lag_messages")) == 24
+                     and sum(_per_partition(w, "stock_ledger_partition_lag_messages").values()) == 0,
+                     30, "lag 0 on all 24 partitions", workers)
+    lag_db = _per_partition(w, "stock_ledger_partition_db_offset")
+    assert lag_db == _per_partition(w, "stock_ledger_partition_log_end_offset")
+    assert sum(lag_db.values()) == 5_003
+    await eventually(lambda: len(_per_partition(w, "stock_ledger_partition_offset_drift_messages")) == 24, 30,
+                     "drift for every partition", workers)
+    assert min(_per_partition(w, "stock_ledger_partition_offset_drift_messages").values()) >= 0
+    assert w.metric("stock_ledger_movements_applied_total") == 5_000
+    assert w.metric("stock_ledger_movements_rejected_total", {"reason": "invalid_json"}) == 1
+    assert w.metric("stock_ledger_movements_rejected_total", {"reason": "missing_key"}) == 1
+    assert w.metric("stock_ledger_movements_rejected_total", {"reason": "key_mismatch"}) == 1
+    assert w.metric("stock_ledger_movements_rejected_total", {"reason": "sign_mismatch"}) == 0
+    assert w.metric("stock_ledger_assigned_partitions") == 24
+    assert w.metric("stock_ledger_ready") == 1
+    assert (w.metric("stock_ledger_batches_committed_total") or 0) >= 1
+    assert w.metric("stock_ledger_end_to_end_latency_seconds_count") == 5_003
+    assert (w.metric("stock_ledger_last_commit_timestamp_seconds") or 0) > 0
+    assert w.metric("stock_ledger_build_info") == 1
+    await eventually(lambda: w.metric("stock_ledger_ledger_duplicate_rows") == 0
+                     and w.metric("stock_ledger_ledger_stock_level_mismatches") == 0, 30, "invariants", workers)
+
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: run scripts/tools.sh (Debian package prometheus)"
+    _, body = w.get("/metrics")
+    check = subprocess.run([promtool, "check", "metrics"], input=body.encode(), capture_output=True, check=False)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+async def test_readyz_is_503_until_every_assigned_partition_is_claimed(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """A transaction holds the partitions' offset rows (as a frozen zombie would). The worker joins the group
+    but cannot claim: /readyz is 503 and says why, /healthz stays 200. Once the rows are released: 200."""
+    blocker = await asyncpg.connect(database.owner_url)
+    try:
+        await blocker.execute(
+            "INSERT INTO consumer_offsets (group_id, topic, partition) SELECT $1, $2, p FROM generate_series(0, 23) p",
+            workers.group, topic)
+        await blocker.execute("BEGIN")
+        await blocker.execute("SELECT * FROM consumer_offsets FOR UPDATE")
+        w = workers.start(STOCK_LEDGER_LOCK_TIMEOUT_MS="300")
+        await eventually(lambda: '"rebalance.assigned"' in w.log_text(), 60, "the assignment", workers)
+        await eventually(lambda: w.get("/readyz")[0] == 503 and "not yet claimed" in w.get("/readyz")[1], 20,
+                         "/readyz 503 while claims wait", workers)
+        # The claim gives up on the lock after STOCK_LEDGER_LOCK_TIMEOUT_MS and retries, again and again.
+        await eventually(lambda: (w.metric("stock_ledger_retries_total", {"cause": "lock"}) or 0) >= 2, 30,
+                         "claim retries on the lock", workers)
+        assert w.get("/readyz")[0] == 503
+        assert w.get("/healthz")[0] == 200
+        assert w.metric("stock_ledger_ready") == 0
+        await blocker.execute("ROLLBACK")
+        await eventually(lambda: w.get("/readyz")[0] == 200, 30, "/readyz 200 after claims", workers)
+        assert "24 partitions claimed" in w.get("/readyz")[1]
+        assert w.metric("stock_ledger_ready") == 1
+    finally:
+        await blocker.close()
+
+
+async def test_healthz_turns_503_when_the_main_loop_stalls_and_lag_keeps_growing(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """The main loop hangs after its first read (test fault hook) while the event loop lives: /healthz turns 503
+    after STOCK_LEDGER_STALL_SECONDS, and the lag metric, refreshed on a timer, grows as movements keep coming.
+    SIGTERM still stops the worker cleanly."""
+    await produce(services.kafka, topic, 100, seed=31, show_progress=False)
+    w = workers.start(STOCK_LEDGER_FAULT="after_read@1:hang", STOCK_LEDGER_STALL_SECONDS="2")
+    await eventually(lambda: w.get("/healthz")[0] == 503, 30, "/healthz 503", workers)
+    assert "no progress" in w.get("/healthz")[1]
+    await eventually(lambda: _sum(w, "stock_ledger_partition_lag_messages") >= 100, 30, "lag 100", workers)
+    await produce(services.kafka, topic, 400, seed=32, show_progress=False)
+    await eventually(lambda: _sum(w, "stock_ledger_partition_lag_messages") >= 500, 30, "lag to grow", workers)
+    w.signal(signal.SIGTERM)
+    assert w.wait(15) == 0
+
