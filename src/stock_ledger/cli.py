@@ -9,14 +9,16 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from stock_ledger import logs
 from stock_ledger.config import Settings, load_settings
 from stock_ledger.errors import ConfigError, StockLedgerError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine, Sequence
 
 log = structlog.get_logger("stock_ledger.cli")
 
@@ -81,8 +83,8 @@ async def _produce(settings: Settings, args: argparse.Namespace) -> int:
     if args.count < 0 or (args.rate is not None and args.rate <= 0) or args.skus < 1 or args.warehouses < 1:
         raise ConfigError("--count must be >= 0, --rate > 0, --skus and --warehouses >= 1")
     await ensure_topic(settings.kafka_bootstrap_servers, settings.topic)
-    await produce(settings.kafka_bootstrap_servers, settings.topic, args.count, args.rate, args.skus,
-                  args.warehouses, args.seed)
+    await produce(settings.kafka_bootstrap_servers, settings.topic, args.count, rate=args.rate, skus=args.skus,
+                  warehouses=args.warehouses, seed=args.seed)
     return 0
 
 
@@ -114,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stock-ledger: configuration error: {exc}", file=sys.stderr)
         return 2
     except StockLedgerError as exc:
-        log.error("fatal", error=str(exc), error_type=type(exc).__name__)
+        log.exception("fatal", error=str(exc), error_type=type(exc).__name__)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from stock_ledger.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 OffsetReset = Literal["earliest", "latest", "none"]
 LogFormat = Literal["auto", "json", "console"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
-import uuid
-from datetime import datetime
-from typing import Annotated, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Final, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    import uuid
+    from datetime import datetime
 
 MAX_ABS_QTY: Final = 1_000_000_000
 _Text = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -64,7 +66,7 @@ def parse(key: bytes | None, value: bytes | None) -> Movement | Rejection:
     return _check(key, movement)
 
 
-def _check(key: bytes, m: Movement) -> Movement | Rejection:
+def _check(key: bytes, m: Movement) -> Movement | Rejection:  # noqa: PLR0911 - one flat rule list reads best
     if "\x00" in m.warehouse_id or "\x00" in m.sku:
         # PostgreSQL text cannot hold NUL: letting it through would fail the whole batch, again and again.
         return Rejection(RejectCode.INVALID_FIELD, "warehouse_id and sku must not contain NUL characters")

@@ -65,4 +65,5 @@ class HttpServer:
         if check is None:
             return 404, "text/plain", b"try /metrics, /healthz or /readyz\n"
         ok, detail = await check()
-        return (200 if ok else 503), "text/plain; charset=utf-8", f"{'ok' if ok else 'unavailable'}: {detail}\n".encode()
+        body = f"{'ok' if ok else 'unavailable'}: {detail}\n".encode()
+        return (200 if ok else 503), "text/plain; charset=utf-8", body

@@ -75,7 +75,8 @@ async def migrate(database_url: str, directory: Path) -> list[str]:
         # Session-level lock: a second pod waits here, then finds everything applied.
         await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
         await conn.execute(_BOOKKEEPING)
-        done = {r["version"]: r["checksum"] for r in await conn.fetch("SELECT version, checksum FROM schema_migrations")}
+        rows = await conn.fetch("SELECT version, checksum FROM schema_migrations")
+        done = {r["version"]: r["checksum"] for r in rows}
         for m in migrations:
             if m.version in done:
                 if done[m.version] != m.checksum:

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from stock_ledger.config import Settings
-from stock_ledger.metrics import Metrics
 from stock_ledger.topics import partitions_of
+
+if TYPE_CHECKING:
+    from stock_ledger.config import Settings
+    from stock_ledger.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

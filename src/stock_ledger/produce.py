@@ -6,14 +6,16 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiokafka import AIOKafkaProducer
 
 from stock_ledger.domain import Movement, encode
 from stock_ledger.progress import Progress
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 _BASE: Final = datetime(2026, 1, 1, tzinfo=UTC)
 # (kind, weight, sign): picks dominate a warehouse's day; receipts keep stock positive on average.
@@ -42,8 +44,10 @@ def movements(count: int, skus: int = 1000, warehouses: int = 4, seed: int = 1) 
         yield sku.encode(), encode(movement)
 
 
-async def produce(bootstrap: str, topic: str, count: int, rate: float | None = None, skus: int = 1000,
-                  warehouses: int = 4, seed: int = 1, show_progress: bool = True) -> int:
+async def produce(  # noqa: PLR0913 - the CLI's flags, one to one
+    bootstrap: str, topic: str, count: int, *, rate: float | None = None, skus: int = 1000, warehouses: int = 4,
+    seed: int = 1, show_progress: bool = True,
+) -> int:
     """Send `count` movements (at `rate` per second if given) with an idempotent producer; return the count."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,

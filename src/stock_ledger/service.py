@@ -14,8 +14,7 @@ import contextlib
 import signal
 import socket
 import time
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 import structlog
@@ -24,7 +23,6 @@ from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
 
-from stock_ledger.config import Settings
 from stock_ledger.errors import FencedError, StockLedgerError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
@@ -34,7 +32,14 @@ from stock_ledger.positions import PositionMonitor
 from stock_ledger.retry import Backoff, transient_cause
 from stock_ledger.sink import Batch, Claim, Ledger, Record, build_batch
 
+if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+    from stock_ledger.config import Settings
+
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 
 async def connect(settings: Settings) -> asyncpg.Connection:
@@ -197,7 +202,7 @@ class Worker:
         log.info("rebalance.revoked", partitions=sorted(tp.partition for tp in revoked),
                  waited_seconds=round(time.monotonic() - started, 3))
 
-    def _drop(self, partitions: Any) -> None:
+    def _drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
             self._claims.pop(p, None)
             self._positions.pop(p, None)
@@ -256,11 +261,9 @@ class Worker:
                 self._consumer.seek(tp, expected)
                 self._reseeked.add(p)
                 continue
-            if expected is not None and records[0].offset < expected:
-                records = [r for r in records if r.offset >= expected]
-                if not records:
-                    continue
-            accepted[p] = records
+            fresh = records if expected is None else [r for r in records if r.offset >= expected]
+            if fresh:
+                accepted[p] = fresh
         if not accepted:
             return None
         return build_batch(self.settings.topic, accepted, self._claims)
@@ -280,13 +283,10 @@ class Worker:
                     outcome = await self.ledger.apply(self._conn, batch)
                 except FencedError as exc:
                     self._on_fenced(exc)
-                    remaining = {x.partition for x in batch.slices} - set(exc.partitions)
-                    if not remaining:
+                    rest = self._without(batch, set(exc.partitions))
+                    if rest is None:
                         return None
-                    rebuilt = self._build_subset(batch, remaining)
-                    if rebuilt is None:
-                        return None
-                    batch = rebuilt
+                    batch = rest
                     continue
                 except StockLedgerError:
                     raise
@@ -309,13 +309,14 @@ class Worker:
                     self._positions[x.partition] = x.next_offset
                 return {x.partition: x.next_offset for x in batch.slices}
 
-    def _build_subset(self, batch: Batch, partitions: set[int]) -> Batch | None:
-        """The same batch without fenced partitions (rebuilt from the rows we hold, no re-fetch)."""
-        slices = [x for x in batch.slices if x.partition in partitions]
-        keep = [(m, raw) for m, raw in zip(batch.movements, batch.raw, strict=True) if m[7] in partitions]
-        rejects = [r for r in batch.rejects if r[1] in partitions]
+    @staticmethod
+    def _without(batch: Batch, fenced: set[int]) -> Batch | None:
+        """The same batch without the fenced partitions (from the rows we hold, no re-fetch); None if empty."""
+        slices = [x for x in batch.slices if x.partition not in fenced]
         if not slices:
             return None
+        keep = [(m, raw) for m, raw in zip(batch.movements, batch.raw, strict=True) if m[7] not in fenced]
+        rejects = [r for r in batch.rejects if r[1] not in fenced]
         return Batch(batch.topic, slices, [m for m, _ in keep], rejects, [raw for _, raw in keep],
                      batch.timestamps_ms)
 
@@ -347,7 +348,7 @@ class Worker:
                     "exiting so the restart rejoins the group with a fresh claim"
                 )
 
-    def _record(self, batch: Batch, applied: int, rejected: Any, seconds: float) -> None:
+    def _record(self, batch: Batch, applied: int, rejected: Counter[str], seconds: float) -> None:
         m = self.metrics
         m.applied.inc(applied)
         for code, n in rejected.items():
@@ -431,7 +432,7 @@ class Worker:
             log.info("claim.reset_policy", policy=policy, partitions={tp.partition: starts[tp] for tp in missing})
         return starts
 
-    async def _retry(self, what: str, op: Any) -> Any:
+    async def _retry(self, what: str, op: Callable[[], Awaitable[_T]]) -> _T:
         while True:
             try:
                 result = await op()

@@ -12,19 +12,22 @@ and then COMMITs. Either all of it is durable or none of it is. Kafka is told af
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 import msgspec
 
 from stock_ledger.domain import Movement, RejectCode, Rejection, parse
 from stock_ledger.errors import CoordinateConflictError, FencedError, OffsetRegressionError
-from stock_ledger.faults import Faults
+
+if TYPE_CHECKING:
+    import uuid
+    from collections.abc import Iterable, Mapping, Sequence
+
+    from stock_ledger.faults import Faults
 
 MOVEMENT_COLUMNS: Final = (
     "movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at",
@@ -173,7 +176,7 @@ ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + EXCLUDED.on_
 """
 
 
-class _AlreadyApplied(Exception):  # noqa: N818 - a control-flow signal that rolls back, not an error
+class _AlreadyApplied(Exception):  # a control-flow signal that rolls back, not an error
     pass
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from stock_ledger.config import Settings
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.progress import Progress
 from stock_ledger.topics import partitions_of
+
+if TYPE_CHECKING:
+    from stock_ledger.config import Settings
 
 
 @dataclass
@@ -151,10 +154,10 @@ async def verify(settings: Settings, expect: int | None = None, show_progress: b
 
     produced = sum(len(v) for v in topic_offsets.values())
     n_rejected = sum(len(v) for v in rejected.values())
-    report.add("records in topic", True, f"{produced} committed records in {len(topic_offsets)} partitions")
+    report.add("records in topic", ok=True, detail=f"{produced} committed records in {len(topic_offsets)} partitions")
     report.add("rows vs distinct coordinates", report.rows == report.distinct_sources,
                f"{report.rows} rows, {report.distinct_sources} distinct sources")
-    report.add("quarantined", True, f"{n_rejected} records in rejected_movements")
+    report.add("quarantined", ok=True, detail=f"{n_rejected} records in rejected_movements")
     if expect is not None:
         report.add("expected rows", report.rows == expect, f"expected {expect}, found {report.rows}")
 

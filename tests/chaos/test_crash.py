@@ -57,4 +57,4 @@ async def test_staging_scenario_50k_movements_at_2000_per_second_with_five_sigki
     elapsed = time.monotonic() - started
     state = await assert_exact(services, database, topic, workers.group, rows=50_000, pool=workers)
     assert (state.rows, state.distinct_sources) == (50_000, 50_000)
-    print(f"staging scenario: 50000|50000 after {kills} SIGKILLs in {elapsed:.1f}s")  # noqa: T201
+    print(f"staging scenario: 50000|50000 after {kills} SIGKILLs in {elapsed:.1f}s")

@@ -99,7 +99,8 @@ async def test_bad_input_is_quarantined_with_reasons_and_good_input_applied(
     assert w.metric("stock_ledger_movements_applied_total") == len(good)
 
     # The same resend again, in a later batch: caught against the ledger itself, not only within a batch.
-    await send_raw(services.kafka, topic, [(b"SKU-A", json.dumps(movement("SKU-A", qty=4, movement_id=resent)).encode())])
+    resend = json.dumps(movement("SKU-A", qty=4, movement_id=resent)).encode()
+    await send_raw(services.kafka, topic, [(b"SKU-A", resend)])
     await wait_drained(services, database, topic, workers.group, 60, workers)
     await assert_exact(services, database, topic, workers.group, rows=len(good), rejected=len(bad) + 1, pool=workers)
     conn = await asyncpg.connect(database.owner_url)
@@ -123,8 +124,9 @@ async def test_worker_role_cannot_delete_or_truncate_the_ledger(
     try:
         assert await conn.fetchval("SELECT count(*) FROM stock_movements") == 1
         for statement in ("DELETE FROM stock_movements", "TRUNCATE stock_movements", "DELETE FROM consumer_offsets",
-                          "DROP TABLE stock_levels", "ALTER TABLE stock_movements DROP CONSTRAINT "
-                          "stock_movements_coordinates_key", "UPDATE stock_movements SET qty = 1"):
+                          "DROP TABLE stock_levels",
+                          "ALTER TABLE stock_movements DROP CONSTRAINT stock_movements_coordinates_key",
+                          "UPDATE stock_movements SET qty = 1"):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute(statement)
     finally:

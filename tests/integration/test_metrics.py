@@ -16,14 +16,14 @@ from tests.helpers import Env, Services, WorkerPool, eventually, movement, send_
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 
-def _sum(worker, name: str) -> float:  # noqa: ANN001
+def _sum(worker, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
     _, body = worker.get("/metrics")
     return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name)
 
 
-def _per_partition(worker, name: str) -> dict[int, float]:  # noqa: ANN001
+def _per_partition(worker, name: str) -> dict[int, float]:
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
     _, body = worker.get("/metrics")
