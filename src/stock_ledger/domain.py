@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Annotated, Final, Literal
+import uuid
+from datetime import datetime
+from typing import Annotated, Final, Literal
 
 import msgspec
-
-if TYPE_CHECKING:
-    import uuid
-    from datetime import datetime
 
 MAX_ABS_QTY: Final = 1_000_000_000
 _Text = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]

@@ -12,6 +12,7 @@ and then COMMITs. Either all of it is durable or none of it is. Kafka is told af
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,7 +25,6 @@ from stock_ledger.domain import Movement, RejectCode, Rejection, parse
 from stock_ledger.errors import CoordinateConflictError, FencedError, OffsetRegressionError
 
 if TYPE_CHECKING:
-    import uuid
     from collections.abc import Iterable, Mapping, Sequence
 
     from stock_ledger.faults import Faults
