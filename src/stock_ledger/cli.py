@@ -11,7 +11,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 import structlog
+from aiokafka.errors import KafkaError
 
 from stock_ledger import logs
 from stock_ledger.config import Settings, load_settings
@@ -116,7 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stock-ledger: configuration error: {exc}", file=sys.stderr)
         return 2
     except StockLedgerError as exc:
-        log.exception("fatal", error=str(exc), error_type=type(exc).__name__)
+        log.error("fatal", error=str(exc), error_type=type(exc).__name__)
+        return 1
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, KafkaError, OSError) as exc:
+        # Not retriable (bad password, unknown database, unreachable for too long...): say what, not where.
+        log.error("fatal", error=str(exc) or repr(exc), error_type=type(exc).__name__,
+                  hint="check DATABASE_URL / KAFKA_BOOTSTRAP_SERVERS and that the services are up")
         return 1
     except KeyboardInterrupt:
         return 130

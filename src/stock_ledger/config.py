@@ -26,7 +26,8 @@ def _mask(url: str | None) -> str | None:
     """Hide the password of a connection URL so settings can be logged."""
     if url is None:
         return None
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    url = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", url)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,8 @@ def parse(key: bytes | None, value: bytes | None) -> Movement | Rejection:
         return Rejection(RejectCode.MISSING_KEY, f"record has no key; the key must be the SKU as UTF-8 ({_CONTRACT})")
     if value is None:
         return Rejection(RejectCode.INVALID_JSON, "record has no value (a tombstone); a movement is a JSON object")
+    if value.lstrip()[:1] != b"{":
+        return Rejection(RejectCode.INVALID_JSON, f"value is not a JSON object (starts with {value[:16]!r})")
     try:
         movement = _decoder.decode(value)
     except msgspec.ValidationError as exc:

@@ -33,10 +33,11 @@ class Faults:
             where, _, action = item.partition(":")
             point, _, nth = where.partition("@")
             action = action or "kill"
-            if (point not in POINTS or action not in _ACTIONS or (nth and not nth.isdigit())
+            valid_nth = not nth or (nth.isascii() and nth.isdigit() and int(nth) >= 1)
+            if (point not in POINTS or action not in _ACTIONS or not valid_nth
                     or (action == "hang" and point != "after_read")):
                 raise ConfigError(
-                    f"STOCK_LEDGER_FAULT item {item!r} must be point[@n][:kill|stop|hang], point one of "
+                    f"STOCK_LEDGER_FAULT item {item!r} must be point[@n][:kill|stop|hang] (n >= 1), point one of "
                     f"{', '.join(POINTS)} (hang: after_read only)"
                 )
             self._armed.setdefault(point, []).append((int(nth or 1), _ACTIONS[action]))

@@ -18,7 +18,9 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     ]
     renderer: structlog.types.Processor
     if json_output:
-        shared.append(structlog.processors.dict_tracebacks)
+        # Locals are never rendered: they would carry connection strings and passwords into the logs.
+        shared.append(structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)))
         renderer = structlog.processors.JSONRenderer()
     else:
         renderer = structlog.dev.ConsoleRenderer()

@@ -8,7 +8,7 @@ import time
 from typing import Final
 
 import asyncpg
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from stock_ledger.errors import RetryDeadlineExceeded
 
@@ -24,18 +24,33 @@ _PG_TRANSIENT: Final = (
 )
 
 
+# asyncpg's client-side misuse errors subclass InterfaceError, but retrying the same batch repeats them.
+_PG_PERMANENT: Final = (
+    asyncpg.exceptions._base.DataError,  # noqa: SLF001 - a value the driver cannot encode; not exported elsewhere
+    asyncpg.exceptions.ClientConfigurationError,
+    asyncpg.exceptions.UnsupportedClientFeatureError,
+    asyncpg.exceptions._base.UnsupportedServerFeatureError,  # noqa: SLF001
+)
+# (exception types, cause label), first match wins.
+_CAUSES: Final[tuple[tuple[tuple[type[BaseException], ...], str | None], ...]] = (
+    (_PG_PERMANENT, None),
+    ((asyncpg.LockNotAvailableError,), "lock"),
+    ((asyncpg.UniqueViolationError,), "movement_id_race"),
+    (_PG_TRANSIENT, "database"),
+    # aiokafka marks its request timeouts non-retriable, but for us a broker that did not answer in time
+    # (e.g. ListOffsets during a restart) is exactly the kind of fault to retry.
+    ((KafkaTimeoutError,), "kafka"),
+    ((ConnectionError, OSError, TimeoutError), "database"),
+)
+
+
 def transient_cause(exc: BaseException) -> str | None:
     """A low-cardinality cause label if `exc` may succeed on retry, else None."""
-    if isinstance(exc, asyncpg.LockNotAvailableError):
-        return "lock"
-    if isinstance(exc, asyncpg.UniqueViolationError):
-        return "movement_id_race"
-    if isinstance(exc, _PG_TRANSIENT):
-        return "database"
+    for types, cause in _CAUSES:
+        if isinstance(exc, types):
+            return cause
     if isinstance(exc, KafkaError) and getattr(exc, "retriable", False):
         return "kafka"
-    if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
-        return "database"
     return None
 
 

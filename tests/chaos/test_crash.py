@@ -31,6 +31,7 @@ async def test_a_kill_at_each_crash_point_loses_nothing_and_duplicates_nothing(
     workers.start(STOCK_LEDGER_BATCH_MAX_RECORDS="500")
     await wait_drained(services, database, topic, workers.group, 90, workers)
     await assert_exact(services, database, topic, workers.group, rows=6_000, pool=workers)
+    workers.assert_no_tracebacks()
 
 
 async def test_staging_scenario_50k_movements_at_2000_per_second_with_five_sigkills(
@@ -56,5 +57,6 @@ async def test_staging_scenario_50k_movements_at_2000_per_second_with_five_sigki
     await wait_drained(services, database, topic, workers.group, 120, workers)
     elapsed = time.monotonic() - started
     state = await assert_exact(services, database, topic, workers.group, rows=50_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert (state.rows, state.distinct_sources) == (50_000, 50_000)
     print(f"staging scenario: 50000|50000 after {kills} SIGKILLs in {elapsed:.1f}s")

@@ -50,6 +50,7 @@ async def test_churn_of_starts_sigterms_and_sigkills_for_a_minute(
         workers.start(**FAST)
     await wait_drained(services, database, topic, workers.group, 180, workers)
     await assert_exact(services, database, topic, workers.group, rows=60_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert actions["sigterm"] + actions["sigkill"] >= 8, actions
     # A SIGTERMed worker always exits 0 (graceful), whatever it was doing.
     stopped = [w for w in workers.started if not w.alive()]
@@ -80,6 +81,7 @@ async def test_terminated_database_connections_are_survived(
     await producer
     await wait_drained(services, database, topic, workers.group, 120, workers)
     await assert_exact(services, database, topic, workers.group, rows=25_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert terminated >= 5
     assert all(w.alive() for w in pool), workers.logs_tail()
     retries = sum(w.metric("stock_ledger_retries_total", {"cause": "database"}) or 0 for w in pool)
@@ -98,6 +100,7 @@ async def test_a_postgresql_restart_mid_run_is_ridden_out(
     await producer
     await wait_drained(services, database, topic, workers.group, 120, workers)
     await assert_exact(services, database, topic, workers.group, rows=20_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert w.alive(), workers.logs_tail()
     assert (w.metric("stock_ledger_retries_total", {"cause": "database"}) or 0) >= 1
 
@@ -118,4 +121,5 @@ async def test_a_broker_restart_mid_run_is_ridden_out(
     await produce(services.kafka, topic, 10_000, seed=14, show_progress=False)
     await wait_drained(services, database, topic, workers.group, 180, workers)
     await assert_exact(services, database, topic, workers.group, rows=70_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert w.alive(), workers.logs_tail()

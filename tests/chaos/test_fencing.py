@@ -42,6 +42,7 @@ async def test_cold_start_of_three_workers_on_a_100k_backlog(
         await asyncio.sleep(1)
     await wait_drained(services, database, topic, workers.group, 180, workers)
     await assert_exact(services, database, topic, workers.group, rows=100_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert all(w.alive() for w in workers.started), workers.logs_tail()
 
 
@@ -74,6 +75,7 @@ async def test_frozen_workers_are_fenced_when_they_wake(
     await producer
     await wait_drained(services, database, topic, workers.group, 120, workers)
     await assert_exact(services, database, topic, workers.group, rows=40_000, pool=workers)
+    workers.assert_no_tracebacks()
     assert a.alive() or a.wait(0) != 0  # A may restart itself after being fenced; it never corrupts
 
 
@@ -96,6 +98,7 @@ async def test_a_replacement_with_the_same_static_member_id_fences_the_frozen_or
     await producer
     await wait_drained(services, database, topic, workers.group, 120, workers)
     await assert_exact(services, database, topic, workers.group, rows=20_000, pool=workers)
+    workers.assert_no_tracebacks()
 
 
 async def test_sigterm_during_a_busy_batch_exits_zero_quickly_and_the_survivor_takes_over(
@@ -120,3 +123,4 @@ async def test_sigterm_during_a_busy_batch_exits_zero_quickly_and_the_survivor_t
     assert rows == stored
     await wait_drained(services, database, topic, workers.group, 180, workers)
     await assert_exact(services, database, topic, workers.group, rows=150_000, pool=workers)
+    workers.assert_no_tracebacks()
