@@ -30,7 +30,7 @@ from stock_ledger.metrics import Metrics
 from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
 from stock_ledger.retry import Backoff, transient_cause
-from stock_ledger.sink import Batch, Claim, Ledger, Record, build_batch
+from stock_ledger.sink import Batch, Claim, Ledger, Outcome, Record, build_batch
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -269,45 +269,58 @@ class Worker:
         return build_batch(self.settings.topic, accepted, self._claims)
 
     async def _apply(self, batch: Batch) -> dict[int, int] | None:
-        """Run the batch transaction until it commits, is fenced away, or the retry deadline passes."""
-        assert self._consumer is not None  # noqa: S101
+        """Run the batch transaction until it commits, is fenced away, or the retry deadline passes.
+
+        Returns the committed next offsets, or None if nothing was committed (all fenced, or abandoned on shutdown).
+        """
         with structlog.contextvars.bound_contextvars(
             topic=batch.topic,
             batch={x.partition: [x.first_offset, x.next_offset - 1, x.epoch] for x in batch.slices},
         ):
-            while True:
+            current: Batch | None = batch
+            while current is not None:
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await self._retry("reconnect to PostgreSQL", lambda: connect(self.settings))
                 started = time.perf_counter()
                 try:
-                    outcome = await self.ledger.apply(self._conn, batch)
+                    outcome = await self.ledger.apply(self._conn, current)
                 except FencedError as exc:
                     self._on_fenced(exc)
-                    rest = self._without(batch, set(exc.partitions))
-                    if rest is None:
-                        return None
-                    batch = rest
+                    current = self._without(current, set(exc.partitions))
                     continue
                 except StockLedgerError:
                     raise
                 except Exception as exc:
-                    cause = transient_cause(exc)
-                    if cause is None or self.stopping.is_set():
-                        raise
-                    self.metrics.retries.labels(cause).inc()
-                    self._db_ok = False
-                    log.warning("batch.retry", cause=cause, attempt=self._backoff.attempt + 1,
-                                error=f"{type(exc).__name__}: {exc}")
-                    await self._backoff.wait("the batch transaction", exc)
+                    if not await self._may_retry(exc):
+                        return None
                     continue
-                self._backoff.reset()
-                self._db_ok = True
-                self._record(batch, outcome.applied, outcome.rejected, time.perf_counter() - started)
-                if outcome.already_applied:
-                    log.info("batch.already_applied", detail="an earlier attempt committed; its reply was lost")
-                for x in batch.slices:
-                    self._positions[x.partition] = x.next_offset
-                return {x.partition: x.next_offset for x in batch.slices}
+                self._committed(current, outcome, time.perf_counter() - started)
+                return {x.partition: x.next_offset for x in current.slices}
+        return None
+
+    async def _may_retry(self, exc: Exception) -> bool:
+        """Back off before retrying a transient fault; False to abandon the (rolled back) batch; else re-raise."""
+        cause = transient_cause(exc)
+        if cause is None:
+            raise exc
+        if self.stopping.is_set():
+            # Rolled back, nothing written: the next owner applies it from the stored offset.
+            log.info("batch.abandoned", reason="shutdown during a transient fault", cause=cause)
+            return False
+        self.metrics.retries.labels(cause).inc()
+        self._db_ok = False
+        log.warning("batch.retry", cause=cause, attempt=self._backoff.attempt + 1, error=f"{type(exc).__name__}: {exc}")
+        await self._backoff.wait("the batch transaction", exc)
+        return True
+
+    def _committed(self, batch: Batch, outcome: Outcome, seconds: float) -> None:
+        self._backoff.reset()
+        self._db_ok = True
+        self._record(batch, outcome.applied, outcome.rejected, seconds)
+        if outcome.already_applied:
+            log.info("batch.already_applied", detail="an earlier attempt committed; its reply was lost")
+        for x in batch.slices:
+            self._positions[x.partition] = x.next_offset
 
     @staticmethod
     def _without(batch: Batch, fenced: set[int]) -> Batch | None:
