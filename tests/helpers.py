@@ -165,7 +165,8 @@ class WorkerPool:
         """Expected conditions (faults we injected) are logged as one line each, never as a stack trace."""
         for w in self.started:
             text = w.log_text()
-            assert "Traceback" not in text and '"exception":' not in text, f"stack trace in {w.log.name}:\n{text[-4000:]}"
+            assert "Traceback" not in text, f"stack trace in {w.log.name}:\n{text[-4000:]}"
+            assert '"exception":' not in text, f"stack trace in {w.log.name}:\n{text[-4000:]}"
 
     def logs_tail(self, lines: int = 40) -> str:
         return "\n".join(f"--- {w.log.name} (exit {w.proc.poll()})\n" + "\n".join(w.log_text().splitlines()[-lines:])
