@@ -1,0 +1,130 @@
+"""The batch transaction's refusals, on a real PostgreSQL: fencing, replays, the unique backstop, lost replies."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+import pytest_asyncio
+
+from stock_ledger.errors import CoordinateConflictError, FencedError, OffsetRegressionError
+from stock_ledger.faults import Faults
+from stock_ledger.sink import Ledger, Record, build_batch
+from tests.helpers import Env, movement
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+TOPIC = "warehouse.movements"
+
+
+def records(partition: int, first: int, count: int) -> list[Record]:
+    """Valid movements at consecutive offsets; the movement_id is derived from the coordinates."""
+
+    def value(offset: int) -> bytes:
+        movement_id = str(uuid.uuid5(uuid.NAMESPACE_OID, f"{partition}/{offset}"))
+        return json.dumps(movement("SKU-1", movement_id=movement_id)).encode()
+
+    return [Record(partition, o, 1_700_000_000_000, b"SKU-1", value(o)) for o in range(first, first + count)]
+
+
+@pytest_asyncio.fixture
+async def conn(database: Env) -> AsyncIterator[asyncpg.Connection]:
+    c = await asyncpg.connect(database.worker_url)
+    yield c
+    await c.close()
+
+
+async def _rows(database: Env) -> int:
+    c = await asyncpg.connect(database.owner_url)
+    try:
+        return int(await c.fetchval("SELECT count(*) FROM stock_movements"))
+    finally:
+        await c.close()
+
+
+async def test_a_stale_epoch_is_fenced_and_writes_nothing(conn: asyncpg.Connection, database: Env) -> None:
+    """Worker A claims partition 0 (epoch 1), worker B claims it after (epoch 2): A's batch is refused as fenced,
+    rolled back whole; B's batch commits."""
+    ledger_a, ledger_b = Ledger("g", Faults(None)), Ledger("g", Faults(None))
+    (a,) = await ledger_a.claim(conn, TOPIC, [0], 7, "member-a")
+    (b,) = await ledger_b.claim(conn, TOPIC, [0], 8, "member-b")
+    assert (a.epoch, b.epoch, a.next_offset, b.next_offset) == (1, 2, None, None)
+    with pytest.raises(FencedError) as fenced:
+        await ledger_a.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: a.epoch}))
+    assert fenced.value.partitions == {0: (1, 2)}
+    assert await _rows(database) == 0
+    outcome = await ledger_b.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: b.epoch}))
+    assert outcome.applied == 10
+    assert await _rows(database) == 10
+    stored = await conn.fetchrow("SELECT next_offset, generation, member_id FROM consumer_offsets")
+    assert tuple(stored) == (10, 8, "member-b")
+
+
+async def test_one_fenced_partition_rolls_back_the_whole_batch(conn: asyncpg.Connection, database: Env) -> None:
+    """A batch spanning partitions 0 and 1, of which only 1 was claimed away: nothing of either is written."""
+    ledger = Ledger("g", Faults(None))
+    claims = {c.partition: c.epoch for c in await ledger.claim(conn, TOPIC, [0, 1], None, None)}
+    await Ledger("g", Faults(None)).claim(conn, TOPIC, [1], None, None)
+    with pytest.raises(FencedError):
+        await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 0, 5), 1: records(1, 0, 5)}, claims))
+    assert await _rows(database) == 0
+    assert await conn.fetchval("SELECT count(*) FROM consumer_offsets WHERE next_offset IS NOT NULL") == 0
+
+
+async def test_a_replay_under_our_own_epoch_is_refused_loudly(conn: asyncpg.Connection, database: Env) -> None:
+    """Offsets 0-9 applied; a batch starting at 5 (a broken seek) is an OffsetRegressionError, not a duplicate."""
+    ledger = Ledger("g", Faults(None))
+    (c,) = await ledger.claim(conn, TOPIC, [0], None, None)
+    await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: c.epoch}))
+    with pytest.raises(OffsetRegressionError, match="batch starts at 5, stored next_offset 10"):
+        await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 5, 10)}, {0: c.epoch}))
+    assert await _rows(database) == 10
+
+
+async def test_retrying_a_batch_whose_commit_reply_was_lost_applies_nothing_twice(
+    conn: asyncpg.Connection, database: Env,
+) -> None:
+    """The COMMIT went through but its reply was lost; the worker retries the very same batch: it is recognised
+    as already applied (offsets sit exactly at its end), nothing is written twice, and no error is raised."""
+    ledger = Ledger("g", Faults(None))
+    (c,) = await ledger.claim(conn, TOPIC, [0], None, None)
+    batch = build_batch(TOPIC, {0: records(0, 0, 10)}, {0: c.epoch})
+    assert (await ledger.apply(conn, batch)).applied == 10
+    again = await ledger.apply(conn, batch)
+    assert again.already_applied
+    assert again.applied == 0
+    assert await _rows(database) == 10
+
+
+async def test_holes_in_the_log_are_allowed(conn: asyncpg.Connection, database: Env) -> None:
+    """Transaction markers and compaction leave offsets without records: a batch may start past the stored offset."""
+    ledger = Ledger("g", Faults(None))
+    (c,) = await ledger.claim(conn, TOPIC, [0], None, None)
+    await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: c.epoch}))
+    await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 12, 3)}, {0: c.epoch}))
+    assert await conn.fetchval("SELECT next_offset FROM consumer_offsets") == 15
+    assert await _rows(database) == 13
+
+
+async def test_the_unique_backstop_turns_a_regression_into_a_loud_failure(
+    conn: asyncpg.Connection, database: Env,
+) -> None:
+    """A row already at (topic, 0, 20) although offsets say 10 (say, a bug, or a restored backup): the COPY
+    violates the coordinates constraint and the batch fails with CoordinateConflictError, writing nothing."""
+    ledger = Ledger("g", Faults(None))
+    (c,) = await ledger.claim(conn, TOPIC, [0], None, None)
+    await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: c.epoch}))
+    owner = await asyncpg.connect(database.owner_url)
+    try:
+        await owner.execute(
+            "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
+            "kafka_partition, kafka_offset) VALUES ($1, 'WH-1', 'SKU-1', 1, 'receipt', now(), $2, 0, 20)",
+            uuid.uuid4(), TOPIC)
+    finally:
+        await owner.close()
+    with pytest.raises(CoordinateConflictError, match="stock_movements_coordinates_key"):
+        await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 10, 15)}, {0: c.epoch}))
+    assert await _rows(database) == 11
+    assert await conn.fetchval("SELECT next_offset FROM consumer_offsets") == 10
