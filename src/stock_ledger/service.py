@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
+_OWNERS = """
+SELECT partition, member_id FROM consumer_offsets WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])
+"""
 
 
 async def connect(settings: Settings) -> asyncpg.Connection:
@@ -285,7 +288,7 @@ class Worker:
                 try:
                     outcome = await self.ledger.apply(self._conn, current)
                 except FencedError as exc:
-                    self._on_fenced(exc)
+                    await self._on_fenced(exc)
                     current = self._without(current, set(exc.partitions))
                     continue
                 except StockLedgerError:
@@ -333,7 +336,7 @@ class Worker:
         return Batch(batch.topic, slices, [m for m, _ in keep], rejects, [raw for _, raw in keep],
                      batch.timestamps_ms)
 
-    def _on_fenced(self, exc: FencedError) -> None:
+    async def _on_fenced(self, exc: FencedError) -> None:
         assert self._consumer is not None  # noqa: S101
         self.metrics.fenced.inc()
         log.warning("batch.fenced", partitions={p: {"ours": o, "stored": s} for p, (o, s) in exc.partitions.items()},
@@ -345,6 +348,29 @@ class Worker:
         now = time.monotonic()
         for p in exc.partitions:
             self._fenced_at.setdefault(p, now)
+        await self._exit_if_replaced(list(exc.partitions))
+
+    async def _exit_if_replaced(self, partitions: list[int]) -> None:
+        """With static membership, a claim by a newer process with our instance id means we are the zombie of a
+        force-deleted pod: aiokafka would keep rejoining and the two would take turns fencing each other. Exit."""
+        instance = self.settings.group_instance_id
+        if not instance or self._conn is None:
+            return
+        _, ours = self._generation()
+        try:
+            rows = await self._conn.fetch(_OWNERS, self.settings.group_id, self.settings.topic, partitions)
+        except Exception as exc:
+            if transient_cause(exc) is None:
+                raise
+            return  # cannot tell now; the next fence asks again
+        for r in rows:
+            owner = r["member_id"]
+            # Kafka names a static member "<group.instance.id>-<uuid>".
+            if owner and owner != ours and owner.startswith(f"{instance}-"):
+                raise StockLedgerError(
+                    f"partition {r['partition']} was claimed by member {owner}, a newer process with this "
+                    f"STOCK_LEDGER_GROUP_INSTANCE_ID={instance}: this process is a zombie and exits"
+                )
 
     def _check_fenced_partitions(self) -> None:
         """A fenced partition that Kafka still assigns to us and never reassigns would stall: restart instead."""
