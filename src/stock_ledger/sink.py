@@ -8,6 +8,10 @@ The whole guarantee is `Ledger.apply`: one PostgreSQL transaction per batch that
   4. writes the quarantine rows (bad input keeps its raw bytes and a reason);
   5. adds each (warehouse, sku) delta to stock_levels, in key order;
 and then COMMITs. Either all of it is durable or none of it is. Kafka is told afterwards, advisorily.
+
+Step 2 costs nothing on the common path: the COPY itself finds a known movement_id (UNIQUE (movement_id) raises),
+and only then is the transaction rolled back and redone with the lookup. A lookup on every batch cost a round trip
+and 5,000 index probes, and its cached generic plan could turn into a sequential scan (see `_KNOWN_IDS`).
 """
 
 from __future__ import annotations
@@ -97,34 +101,39 @@ def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Map
     rejects: list[tuple[Any, ...]] = []
     slices: list[PartitionSlice] = []
     raw: list[tuple[bytes | None, bytes | None]] = []
-    seen_ids: set[uuid.UUID] = set()
+    # Keyed by UUID.int: uuid.UUID hashes in Python code, an int in C. This loop runs once per record.
+    seen_ids: set[int] = set()
     timestamps: list[int] = []
+    # Records produced in the same millisecond share a timestamp (~70% of them under load): one datetime each.
+    stamps: dict[int, datetime | None] = {}
     for partition in sorted(records):
         recs = records[partition]
         if not recs:
             continue
         slices.append(PartitionSlice(partition, epochs[partition], recs[0].offset, recs[-1].offset + 1))
         for r in recs:
-            timestamps.append(r.timestamp)
+            ms = r.timestamp
+            timestamps.append(ms)
+            kafka_ts = stamps.get(ms)
+            if kafka_ts is None and ms >= 0:
+                kafka_ts = stamps[ms] = _ts(ms)
             parsed = parse(r.key, r.value)
-            if isinstance(parsed, Movement) and parsed.movement_id in seen_ids:
+            if isinstance(parsed, Movement):
+                mid = parsed.movement_id
+                if mid.int not in seen_ids:
+                    seen_ids.add(mid.int)
+                    movements.append((mid, parsed.warehouse_id, parsed.sku, parsed.qty, parsed.kind,
+                                      parsed.occurred_at, topic, partition, r.offset, kafka_ts))
+                    raw.append((r.key, r.value))
+                    continue
                 parsed = Rejection(
                     RejectCode.DUPLICATE_MOVEMENT_ID,
-                    f"movement_id {parsed.movement_id} appears earlier in this batch; applied once, this copy kept "
-                    "here",
+                    f"movement_id {mid} appears earlier in this batch; applied once, this copy kept here",
                 )
-            if isinstance(parsed, Movement):
-                seen_ids.add(parsed.movement_id)
-                movements.append((
-                    parsed.movement_id, parsed.warehouse_id, parsed.sku, parsed.qty, parsed.kind,
-                    parsed.occurred_at, topic, partition, r.offset, _ts(r.timestamp),
-                ))
-                raw.append((r.key, r.value))
-            else:
-                rejects.append((
-                    topic, partition, r.offset, _ts(r.timestamp), r.key, r.value,
-                    parsed.code.value, parsed.reason, _movement_id_of(r.value),
-                ))
+            rejects.append((
+                topic, partition, r.offset, kafka_ts, r.key, r.value,
+                parsed.code.value, parsed.reason, _movement_id_of(r.value),
+            ))
     return Batch(topic, slices, movements, rejects, raw, timestamps)
 
 
@@ -167,7 +176,14 @@ SELECT partition, epoch, next_offset FROM consumer_offsets
  WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])
 """
 
-_KNOWN_IDS: Final = "SELECT movement_id FROM stock_movements WHERE movement_id = ANY($1::uuid[])"
+# One index probe per id, whatever the statistics say. The plain `movement_id = ANY($1)` let PostgreSQL cache a
+# generic plan made while the table was small: a sequential scan comparing every row with every id of the array,
+# seconds per batch after a few hundred thousand rows (measured by scripts/bench.py's latency run).
+_KNOWN_IDS: Final = """
+SELECT k.movement_id FROM unnest($1::uuid[]) AS u(id)
+CROSS JOIN LATERAL (SELECT m.movement_id FROM stock_movements AS m WHERE m.movement_id = u.id LIMIT 1) AS k
+"""
+_MOVEMENT_ID_KEY: Final = "stock_movements_movement_id_key"
 
 _ADD_LEVELS: Final = """
 INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand)
@@ -202,16 +218,13 @@ class Ledger:
     async def apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
         """THE batch transaction. Raises FencedError, OffsetRegressionError or CoordinateConflictError."""
         try:
-            async with conn.transaction():
-                await self._advance_offsets(conn, batch)
-                movements, rejects = await self._quarantine_known(conn, batch)
-                if movements:
-                    await conn.copy_records_to_table("stock_movements", records=movements, columns=MOVEMENT_COLUMNS)
-                if rejects:
-                    await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
-                self._faults.reached("after_rows")
-                await _add_levels(conn, movements)
-                self._faults.reached("before_commit")
+            try:
+                movements, rejects = await self._transaction(conn, batch, look_up_known=False)
+            except asyncpg.UniqueViolationError as exc:
+                if exc.constraint_name != _MOVEMENT_ID_KEY:
+                    raise
+                # An upstream resend: that transaction rolled back; redo it, quarantining the known movement_ids.
+                movements, rejects = await self._transaction(conn, batch, look_up_known=True)
         except _AlreadyApplied:
             return Outcome(0, Counter(), already_applied=True)
         except asyncpg.UniqueViolationError as exc:
@@ -223,6 +236,23 @@ class Ledger:
             raise  # movement_id raced in from another partition's batch: retriable, the retry quarantines it
         self._faults.reached("after_commit")
         return Outcome(len(movements), Counter(r[6] for r in rejects))
+
+    async def _transaction(
+        self, conn: asyncpg.Connection, batch: Batch, *, look_up_known: bool,
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        async with conn.transaction():
+            await self._advance_offsets(conn, batch)
+            movements, rejects = batch.movements, batch.rejects
+            if look_up_known:
+                movements, rejects = await self._quarantine_known(conn, batch)
+            if movements:
+                await conn.copy_records_to_table("stock_movements", records=movements, columns=MOVEMENT_COLUMNS)
+            if rejects:
+                await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
+            self._faults.reached("after_rows")
+            await _add_levels(conn, movements)
+            self._faults.reached("before_commit")
+        return movements, rejects
 
     async def _advance_offsets(self, conn: asyncpg.Connection, batch: Batch) -> None:
         s = batch.slices

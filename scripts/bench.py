@@ -1,0 +1,936 @@
+"""Benchmark the ledger against its physical limits and against the naive consumer, in one run on the same rows.
+
+One run = one fresh topic (24 partitions) and one fresh database. N movements are produced once, then measured:
+
+1. raw consume  aiokafka reads and decodes (msgspec, `domain.parse`) the whole topic, no database;
+2. raw COPY     the same rows, built by `sink.build_batch`, COPY'd in batches of the worker's size into
+                `bench_copy (LIKE stock_movements INCLUDING ALL)`: same constraints and indexes, no Kafka;
+                only the COPY calls are timed, each COPY is its own transaction (one WAL flush, like a batch);
+3. worker       the real `python -m stock_ledger run` draining the backlog, one process and then three: time from
+                spawn to every stored offset at the log end (polled in consumer_offsets); peak RSS sampled every
+                100 ms (psutil), CPU = user + sys of the worker processes;
+4. naive        the classic loop (aiokafka auto-commit, one autocommitted INSERT per record) on a slice;
+5. small        one worker draining N/10 from a second topic: its peak RSS must match the one at N;
+6. latency      one caught-up worker while movements arrive at a steady rate: produce -> commit per row.
+
+`--repeat R` repeats 2-6 (and 1) R times on the same topic and reports medians. Progress goes to stderr, the table
+to stdout, everything to JSON (`--out`). Services: KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL if set, else the
+project's scripts (127.0.0.1:9092 and `scripts/postgres.sh url`), like the tests.
+
+On 2 cores the default run (N = 1,000,000, once) takes about 2 minutes; `--repeat 3 --batch-sizes
+2000,5000,10000,20000` about 5.5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import psutil
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from stock_ledger.config import Settings
+from stock_ledger.domain import Movement, parse
+from stock_ledger.migrate import find_migrations_dir, migrate
+from stock_ledger.produce import produce
+from stock_ledger.sink import MOVEMENT_COLUMNS, Record, build_batch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine, Iterable, Sequence
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+PARTITIONS: Final = 24
+DEFAULT_BATCH: Final = Settings().batch_max_records  # the worker's default STOCK_LEDGER_BATCH_MAX_RECORDS
+WORKER_ROLE: Final = "stock_ledger_worker"
+MIB: Final = 1024 * 1024
+LEDGER_TABLES: Final = "stock_movements, rejected_movements, consumer_offsets, stock_levels"
+_STARTED: Final = time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ services
+
+
+@dataclass(frozen=True)
+class Services:
+    kafka: str
+    admin_url: str
+    origin: str
+    worker_password: str
+
+    def url_for(self, database: str, *, worker: bool = False) -> str:
+        parts = urlsplit(self.admin_url)
+        netloc = parts.netloc
+        if worker:
+            netloc = f"{WORKER_ROLE}:{self.worker_password}@{netloc.rsplit('@', 1)[-1]}"
+        return urlunsplit((parts.scheme, netloc, f"/{database}", parts.query, parts.fragment))
+
+
+def _script(name: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL"}}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / name), *args], check=True, capture_output=True, text=True,
+                          timeout=600, env=env)
+    return done.stdout.strip()
+
+
+def discover() -> Services:
+    """The tests' discovery: the environment if set, else the project's local Kafka and PostgreSQL."""
+    kafka, db = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("DATABASE_URL")
+    password = os.environ.get("STOCK_LEDGER_WORKER_PASSWORD", "stock_ledger_worker")
+    if kafka and db:
+        return Services(kafka, db, "environment", password)
+    if not kafka:
+        _script("kafka.sh", "start")
+    if not db:
+        _script("postgres.sh", "start")
+    return Services(kafka or "127.0.0.1:9092", db or _script("postgres.sh", "url"), "scripts", password)
+
+
+async def ensure_worker_role(services: Services) -> None:
+    """The least-privileged LOGIN role the worker runs as (what tests/conftest.py does)."""
+    conn = await asyncpg.connect(services.admin_url)
+    try:
+        await conn.execute("""
+            DO $$ BEGIN
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
+                CREATE ROLE stock_ledger_app NOLOGIN; END IF;
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
+                CREATE ROLE stock_ledger_worker LOGIN; END IF;
+            END $$""")
+        await conn.execute(f"ALTER ROLE {WORKER_ROLE} PASSWORD '{services.worker_password}'")
+        await conn.execute(f"GRANT stock_ledger_app TO {WORKER_ROLE}")
+    finally:
+        await conn.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+@dataclass
+class Options:
+    count: int
+    naive_count: int
+    repeat: int
+    latency_seconds: float
+    latency_rate: int
+    batch_max_records: int | None
+    batch_sizes: list[int]
+    workers: int
+    timeout: float
+    out: Path
+    svg: Path | None
+
+
+@dataclass
+class Bench:
+    services: Services
+    opts: Options
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    database: str = ""
+    topics: list[str] = field(default_factory=list)
+    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="stock-ledger-bench-")))
+    keep_logs: bool = False
+
+    @property
+    def owner_url(self) -> str:
+        return self.services.url_for(self.database)
+
+    @property
+    def worker_url(self) -> str:
+        return self.services.url_for(self.database, worker=True)
+
+    @property
+    def batch(self) -> int:
+        return self.opts.batch_max_records or DEFAULT_BATCH
+
+    # -------------------------------------------------------------------------------- setup / teardown
+
+    async def create_database(self) -> None:
+        self.database = f"sl_bench_{self.run_id}"
+        await ensure_worker_role(self.services)
+        admin = await asyncpg.connect(self.services.admin_url)
+        try:
+            await admin.execute(f'CREATE DATABASE "{self.database}"')
+        finally:
+            await admin.close()
+        await migrate(self.owner_url, find_migrations_dir(None))
+        say(f"database {self.database} created and migrated")
+
+    async def drop_database(self) -> None:
+        if not self.database:
+            return
+        admin = await asyncpg.connect(self.services.admin_url)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+    async def create_topic(self, label: str) -> str:
+        name = f"warehouse.movements.bench-{self.run_id}-{label}"
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(name, PARTITIONS, 1)])
+            self.topics.append(name)
+            # Producing before every partition has a leader only logs NotLeaderForPartition retries.
+            for _ in range(100):
+                described = await admin.describe_topics([name])
+                parts = described[0]["partitions"] if described and described[0]["error_code"] == 0 else []
+                if len(parts) == PARTITIONS and all(p["leader"] >= 0 for p in parts):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+        await asyncio.sleep(0.5)
+        return name
+
+    async def delete_topics(self) -> None:
+        if not self.topics:
+            return
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
+        await admin.start()
+        try:
+            await admin.delete_topics(self.topics)
+        except Exception as exc:
+            say(f"could not delete the bench topics: {exc}")
+        finally:
+            await admin.close()
+
+    async def owner(self) -> asyncpg.Connection:
+        return await asyncpg.connect(self.owner_url)
+
+    async def versions(self) -> dict[str, str]:
+        conn = await self.owner()
+        try:
+            postgres = str(await conn.fetchval("SHOW server_version"))
+        finally:
+            await conn.close()
+        kafka = "unknown (KAFKA_BOOTSTRAP_SERVERS)"
+        if self.services.origin == "scripts":
+            script = (ROOT / "scripts" / "kafka.sh").read_text()
+            default = script.split('KAFKA_VERSION="${KAFKA_VERSION:-', 1)[-1].split("}", 1)[0]
+            kafka = f"{os.environ.get('KAFKA_VERSION', default)} (scripts/kafka.sh)"
+        return {"postgresql": postgres, "kafka": kafka, "origin": self.services.origin}
+
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.services.kafka, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+            return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
+        finally:
+            await consumer.stop()
+
+    async def produce(self, topic: str, count: int, seed: int) -> dict[str, float]:
+        say(f"producing {count:,} movements to {topic}")
+        started = time.perf_counter()
+        await produce(self.services.kafka, topic, count, seed=seed, show_progress=True)
+        seconds = time.perf_counter() - started
+        return {"produce_seconds": seconds, "produce_rate": count / seconds}
+
+    # -------------------------------------------------------------------------------- 1. raw consume
+
+    async def raw_consume(self, topic: str, ends: dict[int, int]) -> tuple[dict[str, float], list[tuple[Any, ...]]]:
+        """Read and decode the whole topic; return the rate and the records (for the COPY limit)."""
+        say("raw consume: aiokafka + msgspec over the whole topic, no database")
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.services.kafka, enable_auto_commit=False,
+                                    isolation_level="read_committed")
+        kept: list[tuple[Any, ...]] = []
+        total = sum(ends.values())
+        started = time.perf_counter()
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            remaining = {p for p, end in ends.items() if end > 0}
+            bad = 0
+            while remaining:
+                fetched = await consumer.getmany(timeout_ms=1000, max_records=self.batch)
+                for tp, records in fetched.items():
+                    for r in records:
+                        if not isinstance(parse(r.key, r.value), Movement):
+                            bad += 1
+                        kept.append((r.partition, r.offset, r.timestamp, r.key, r.value))
+                    if records and records[-1].offset + 1 >= ends[tp.partition]:
+                        remaining.discard(tp.partition)
+            seconds = time.perf_counter() - started
+        finally:
+            await consumer.stop()
+        if len(kept) != total or bad:
+            raise RuntimeError(f"raw consume read {len(kept)} records ({bad} invalid), expected {total} valid ones")
+        say(f"raw consume: {total:,} in {seconds:.1f}s ({total / seconds:,.0f}/s)")
+        return {"raw_consume_seconds": seconds, "raw_consume_rate": total / seconds}, kept
+
+    # -------------------------------------------------------------------------------- 2. raw COPY
+
+    async def raw_copy(self, topic: str, kept: Sequence[tuple[Any, ...]]) -> dict[str, float]:
+        say(f"raw COPY: {len(kept):,} rows in batches of {self.batch:,} into a copy of stock_movements")
+        conn = await self.owner()
+        copied, timed = 0, 0.0
+        try:
+            await conn.execute("DROP TABLE IF EXISTS bench_copy")
+            await conn.execute("CREATE TABLE bench_copy (LIKE stock_movements INCLUDING ALL)")
+            for start in range(0, len(kept), self.batch):
+                by_partition: dict[int, list[Record]] = {}
+                for p, offset, ts, key, value in kept[start:start + self.batch]:
+                    by_partition.setdefault(p, []).append(Record(p, offset, ts, key, value))
+                rows = build_batch(topic, by_partition, dict.fromkeys(by_partition, 1)).movements
+                began = time.perf_counter()
+                await conn.copy_records_to_table("bench_copy", records=rows, columns=MOVEMENT_COLUMNS)
+                timed += time.perf_counter() - began
+                copied += len(rows)
+            await conn.execute("DROP TABLE bench_copy")
+        finally:
+            await conn.close()
+        say(f"raw COPY: {copied:,} in {timed:.1f}s ({copied / timed:,.0f}/s)")
+        return {"raw_copy_seconds": timed, "raw_copy_rate": copied / timed}
+
+    # -------------------------------------------------------------------------------- 3. the worker
+
+    def _worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
+        env.update({
+            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
+            "DATABASE_URL": self.worker_url,
+            "STOCK_LEDGER_TOPIC": topic,
+            "STOCK_LEDGER_GROUP_ID": group,
+            "STOCK_LEDGER_METRICS_PORT": str(free_port()),
+            "STOCK_LEDGER_LOG_FORMAT": "json",
+        })
+        if self.opts.batch_max_records:
+            env["STOCK_LEDGER_BATCH_MAX_RECORDS"] = str(self.opts.batch_max_records)
+        env.update(extra)
+        return env
+
+    async def reset_ledger(self) -> None:
+        conn = await self.owner()
+        try:
+            await conn.execute(f"TRUNCATE {LEDGER_TABLES}")
+        finally:
+            await conn.close()
+
+    async def run_workers(self, topic: str, label: str, workers: int = 1,
+                          extra_env: dict[str, str] | None = None,
+                          while_running: Callable[[Fleet], Coroutine[Any, Any, None]] | None = None) -> Fleet:
+        """Start `workers` worker processes on a fresh ledger and wait until they drain `topic`."""
+        await self.reset_ledger()
+        group = f"bench-{self.run_id}-{label}"
+        fleet = Fleet(self, topic, group, label)
+        ends = await self.end_offsets(topic)
+        fleet.start(workers, extra_env or {})
+        try:
+            if while_running is not None:
+                await while_running(fleet)
+                ends = await self.end_offsets(topic)
+            await fleet.wait_drained(ends, self.opts.timeout)
+        except BaseException:
+            self.keep_logs = True
+            fleet.kill()
+            raise
+        await fleet.stop()
+        await fleet.verify(sum(ends.values()))
+        return fleet
+
+    async def worker(self, topic: str, label: str, workers: int, count: int,
+                     extra_env: dict[str, str] | None = None) -> dict[str, float]:
+        say(f"worker x{workers} ({label}): draining {count:,} movements")
+        fleet = await self.run_workers(topic, label, workers, extra_env)
+        result = fleet.summary(count)
+        say(f"worker x{workers} ({label}): {count:,} in {result['seconds']:.1f}s ({result['rate']:,.0f}/s, "
+            f"steady {result['steady_rate']:,.0f}/s), peak RSS {result['peak_rss_mib']:.0f} MiB, "
+            f"{result['cpu_seconds_per_100k']:.2f} CPU s per 100k")
+        return result
+
+    # -------------------------------------------------------------------------------- 4. naive baseline
+
+    async def naive(self, topic: str, count: int) -> dict[str, float]:
+        """The classic loop: auto-commit consumer, one INSERT per record, each its own transaction."""
+        say(f"naive: auto-commit consumer, one INSERT per record, {count:,} records")
+        conn = await self.owner()
+        await conn.execute("DROP TABLE IF EXISTS naive_movements")
+        await conn.execute("CREATE TABLE naive_movements (LIKE stock_movements INCLUDING ALL)")
+        values = ", ".join(f"${i}" for i in range(1, len(MOVEMENT_COLUMNS) + 1))
+        insert = f"INSERT INTO naive_movements ({', '.join(MOVEMENT_COLUMNS)}) VALUES ({values})"
+        group = f"bench-{self.run_id}-naive-{uuid.uuid4().hex[:6]}"
+        consumer = AIOKafkaConsumer(topic, bootstrap_servers=self.services.kafka, group_id=group,
+                                    enable_auto_commit=True, auto_offset_reset="earliest")
+        await consumer.start()
+        done, started = 0, 0.0
+        try:
+            async for r in consumer:
+                if done == 0:
+                    started = time.perf_counter()
+                m = parse(r.key, r.value)
+                if isinstance(m, Movement):
+                    await conn.execute(insert, m.movement_id, m.warehouse_id, m.sku, m.qty, m.kind, m.occurred_at,
+                                       r.topic, r.partition, r.offset, datetime.fromtimestamp(r.timestamp / 1000, UTC))
+                done += 1
+                if done >= count:
+                    break
+            seconds = time.perf_counter() - started
+        finally:
+            await consumer.stop()
+            await conn.execute("DROP TABLE naive_movements")
+            await conn.close()
+        say(f"naive: {done:,} in {seconds:.1f}s ({done / seconds:,.0f}/s)")
+        return {"naive_seconds": seconds, "naive_rate": done / seconds}
+
+    # -------------------------------------------------------------------------------- 6. latency
+
+    async def latency(self) -> dict[str, float]:
+        rate, seconds = self.opts.latency_rate, self.opts.latency_seconds
+        count = int(rate * seconds)
+        topic = await self.create_topic(f"latency-{len(self.topics)}")
+        say(f"latency: one caught-up worker, {count:,} movements produced at {rate:,}/s")
+
+        async def load(fleet: Fleet) -> None:
+            await fleet.wait_claimed(60)
+            await asyncio.sleep(1)  # the first fetches after the seek
+            await produce(self.services.kafka, topic, count, rate=rate, seed=3, show_progress=True)
+
+        # Debug level adds one `batch.committed` line per batch: its timestamp is the commit as the worker saw it.
+        fleet = await self.run_workers(topic, "latency", 1, {"STOCK_LEDGER_LOG_LEVEL": "debug"}, while_running=load)
+        result = await latency_from(self.owner_url, fleet)
+        say(f"latency at {rate:,}/s: p50 {result['latency_p50_ms']:.0f} ms, p99 {result['latency_p99_ms']:.0f} ms "
+            f"(to the start of the batch transaction: p50 {result['latency_txn_start_p50_ms']:.0f} ms, p99 "
+            f"{result['latency_txn_start_p99_ms']:.0f} ms)")
+        return result
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    ps: psutil.Process
+    port: int
+    log: Path
+    peak_rss: int = 0
+    cpu: float = 0.0
+
+    def sample(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            self.peak_rss = max(self.peak_rss, self.ps.memory_info().rss)
+            times = self.ps.cpu_times()
+            self.cpu = times.user + times.system
+
+
+@dataclass
+class Fleet:
+    bench: Bench
+    topic: str
+    group: str
+    label: str
+    procs: list[Proc] = field(default_factory=list)
+    started: float = 0.0
+    first_commit: float | None = None
+    drained: float = 0.0
+    metrics_text: str = ""
+    _sampler: asyncio.Task[None] | None = None
+
+    def start(self, workers: int, extra_env: dict[str, str]) -> None:
+        self.started = time.perf_counter()
+        for i in range(workers):
+            env = self.bench._worker_env(self.topic, self.group, extra_env)  # noqa: SLF001 - one module
+            log = self.bench.logs / f"{self.label}-{i}.log"
+            with log.open("wb") as out:
+                popen = subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT)
+            self.procs.append(Proc(popen, psutil.Process(popen.pid), int(env["STOCK_LEDGER_METRICS_PORT"]), log))
+        self._sampler = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            for p in self.procs:
+                p.sample()
+            await asyncio.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is not None:
+                tail = "\n".join(p.log.read_text(errors="replace").splitlines()[-20:])
+                raise RuntimeError(f"worker {p.log.name} exited with {p.popen.returncode}:\n{tail}")
+
+    async def wait_claimed(self, within: float) -> None:
+        conn = await self.bench.owner()
+        deadline = time.monotonic() + within
+        try:
+            while await conn.fetchval("SELECT count(*) FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
+                                      self.group, self.topic) < PARTITIONS:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the worker did not claim the partitions within {within:g}s")
+                await asyncio.sleep(0.1)
+        finally:
+            await conn.close()
+
+    async def wait_drained(self, ends: dict[int, int], within: float) -> None:
+        total = sum(ends.values())
+        conn = await self.bench.owner()
+        deadline = time.monotonic() + within
+        last_say = time.monotonic()
+        try:
+            while True:
+                stored = {r[0]: r[1] or 0 for r in await conn.fetch(
+                    "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
+                    self.group, self.topic)}
+                applied = sum(min(stored.get(p, 0), end) for p, end in ends.items())
+                now = time.perf_counter()
+                if applied and self.first_commit is None:
+                    self.first_commit = now
+                if applied >= total:
+                    self.drained = now
+                    return
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"not drained after {within:g}s: {applied:,}/{total:,}")
+                if time.monotonic() - last_say > 5:
+                    last_say = time.monotonic()
+                    say(f"  {self.label}: {applied:,}/{total:,} applied, {applied / (now - self.started):,.0f}/s")
+                await asyncio.sleep(0.1)
+        finally:
+            await conn.close()
+
+    def _scrape(self) -> str:
+        port = self.procs[0].port
+        with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+        return ""
+
+    async def stop(self) -> None:
+        for p in self.procs:
+            p.sample()
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+        self.metrics_text = await asyncio.to_thread(self._scrape)
+        for p in self.procs:
+            p.popen.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                await asyncio.to_thread(p.popen.wait, 30)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(10)
+
+    def kill(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait(10)
+
+    async def verify(self, expected: int) -> None:
+        conn = await self.bench.owner()
+        try:
+            rows = await conn.fetchval("SELECT count(*) FROM stock_movements WHERE kafka_topic = $1", self.topic)
+            rejected = await conn.fetchval("SELECT count(*) FROM rejected_movements")
+        finally:
+            await conn.close()
+        if (rows, rejected) != (expected, 0):
+            raise RuntimeError(f"{self.label}: ledger holds {rows} movements and {rejected} rejects, "
+                               f"expected {expected} and 0")
+
+    def summary(self, count: int) -> dict[str, float]:
+        seconds = self.drained - self.started
+        steady = self.drained - (self.first_commit or self.started)
+        cpu = sum(p.cpu for p in self.procs)
+        return {
+            "seconds": seconds,
+            "rate": count / seconds,
+            "steady_rate": count / steady if steady > 0 else 0.0,
+            "peak_rss_mib": max(p.peak_rss for p in self.procs) / MIB,
+            "cpu_seconds": cpu,
+            "cpu_seconds_per_100k": cpu / count * 100_000,
+        }
+
+
+# ------------------------------------------------------------------------------------------------ latency
+
+
+def _commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]]]:
+    """partition -> (last offsets, commit times) of each committed batch, from the worker's debug log."""
+    spans: dict[int, list[tuple[int, float]]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if '"batch.committed"' not in line:
+                continue
+            event = json.loads(line)
+            at = datetime.fromisoformat(event["timestamp"]).timestamp()
+            for partition, (_first, last, _epoch) in event.get("batch", {}).items():
+                spans.setdefault(int(partition), []).append((int(last), at))
+    return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile q of a Prometheus histogram (None if absent)."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics_text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(le for le, n in sorted(buckets) if n >= q * total)
+
+
+async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
+    """produce -> commit per row: the batch's commit time (its `batch.committed` log line) minus the record's
+    Kafka timestamp (CreateTime, stamped by the producer when it accepted the record). Also from applied_at
+    (now() = the start of the batch transaction, so it leaves out the transaction itself) as a cross-check."""
+    conn = await asyncpg.connect(owner_url)
+    try:
+        rows = await conn.fetch("""
+            SELECT kafka_partition, kafka_offset, extract(epoch FROM kafka_timestamp)::float8,
+                   extract(epoch FROM applied_at)::float8 FROM stock_movements""")
+    finally:
+        await conn.close()
+    commits = _commit_times(p.log for p in fleet.procs)
+    to_commit: list[float] = []
+    to_txn_start = [1000 * (r[3] - r[2]) for r in rows]
+    for partition, offset, kafka_ts, _ in rows:
+        lasts, ats = commits.get(partition, ([], []))
+        i = bisect.bisect_left(lasts, offset)
+        if i < len(lasts):
+            to_commit.append(1000 * (ats[i] - kafka_ts))
+    if len(to_commit) != len(rows):
+        say(f"latency: {len(rows) - len(to_commit)} rows without a batch.committed line; using applied_at")
+        to_commit = to_txn_start
+    e2e = "stock_ledger_end_to_end_latency_seconds"
+    hist99 = histogram_quantile(fleet.metrics_text, e2e, 0.99)
+    return {
+        "latency_rows": float(len(rows)),
+        "latency_p50_ms": percentile(to_commit, 50),
+        "latency_p99_ms": percentile(to_commit, 99),
+        "latency_max_ms": max(to_commit, default=float("nan")),
+        "latency_txn_start_p50_ms": percentile(to_txn_start, 50),
+        "latency_txn_start_p99_ms": percentile(to_txn_start, 99),
+        "latency_histogram_p99_le_ms": 1000 * hist99 if hist99 is not None else float("nan"),
+        "latency_peak_rss_mib": fleet.summary(max(1, len(rows)))["peak_rss_mib"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ one run
+
+
+async def measure(bench: Bench) -> dict[str, Any]:
+    o = bench.opts
+    small_count = max(1, o.count // 10)
+    await bench.create_database()
+    topic = await bench.create_topic("main")
+    small = await bench.create_topic("small")
+    produced = await bench.produce(topic, o.count, seed=1)
+    produced |= {f"small_{k}": v for k, v in (await bench.produce(small, small_count, seed=2)).items()}
+    ends = await bench.end_offsets(topic)
+    if sum(ends.values()) != o.count:
+        raise RuntimeError(f"topic holds {sum(ends.values())} records, expected {o.count}")
+    runs: list[dict[str, float]] = []
+    for r in range(o.repeat):
+        say(f"=== repetition {r + 1}/{o.repeat}")
+        run: dict[str, float] = {}
+        consumed, kept = await bench.raw_consume(topic, ends)
+        run |= consumed
+        run |= await bench.raw_copy(topic, kept)
+        del kept
+        run |= prefixed("worker_", await bench.worker(topic, f"w1-{r}", 1, o.count))
+        run |= prefixed(f"worker{o.workers}_", await bench.worker(topic, f"w{o.workers}-{r}", o.workers, o.count))
+        run |= prefixed("small_worker_", await bench.worker(small, f"small-{r}", 1, small_count))
+        run |= await bench.naive(topic, min(o.naive_count, o.count))
+        run |= await bench.latency()
+        runs.append(run)
+    sweep = await batch_sweep(bench, topic) if o.batch_sizes else []
+    return {"produce": produced, "runs": runs, "batch_sweep": sweep, "services": await bench.versions()}
+
+
+def prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    return {prefix + k: v for k, v in values.items()}
+
+
+async def batch_sweep(bench: Bench, topic: str) -> list[dict[str, float]]:
+    results = []
+    for size in bench.opts.batch_sizes:
+        r = await bench.worker(topic, f"batch-{size}", 1, bench.opts.count,
+                               {"STOCK_LEDGER_BATCH_MAX_RECORDS": str(size)})
+        results.append({"batch_max_records": float(size), **r})
+    return results
+
+
+def summarise(opts: Options, measured: dict[str, Any]) -> dict[str, Any]:
+    runs: list[dict[str, float]] = measured["runs"]
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    limit = min(med["raw_consume_rate"], med["raw_copy_rate"])
+    w = f"worker{opts.workers}_"
+    rss_n, rss_small = med["worker_peak_rss_mib"], med["small_worker_peak_rss_mib"]
+    ratios = {
+        "worker_vs_limit": med["worker_rate"] / limit,
+        "worker_steady_vs_limit": med["worker_steady_rate"] / limit,
+        f"worker{opts.workers}_vs_limit": med[f"{w}rate"] / limit,
+        "worker_vs_naive": med["worker_rate"] / med["naive_rate"],
+        "rss_n_vs_n10": rss_n / rss_small,
+    }
+    # Each target: the measured value, the bound, and whether the value must reach it (else stay below it).
+    targets = {
+        "worker >= 0.5 x min(raw consume, raw COPY)": (ratios["worker_vs_limit"], 0.5, True),
+        "worker >= 20 x naive": (ratios["worker_vs_naive"], 20, True),
+        "peak RSS <= 256 MiB": (max(rss_n, rss_small), 256, False),
+        "peak RSS within 15% between N and N/10": (abs(rss_n / rss_small - 1), 0.15, False),
+        f"latency p99 <= 250 ms at {opts.latency_rate}/s": (med["latency_p99_ms"], 250, False),
+    }
+    return {
+        "meta": environment(opts) | {"services": measured["services"]},
+        "produce": measured["produce"],
+        "runs": runs,
+        "median": med,
+        "spread": {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in runs[0]},
+        "limit_rate": limit,
+        "ratios": ratios,
+        "targets": {k: {"value": v, "target": t, "met": v >= t if higher else v <= t}
+                    for k, (v, t, higher) in targets.items()},
+        "latency_method": (
+            "per row: the commit time of its batch (the worker's `batch.committed` debug line, logged right after "
+            "COMMIT returned) minus the record's Kafka CreateTime (stamped by the producer); both clocks are this "
+            "machine's. latency_txn_start_* use applied_at (now() = the start of the batch transaction) instead."
+        ),
+        "batch_sweep": measured["batch_sweep"],
+    }
+
+
+def environment(opts: Options) -> dict[str, Any]:
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except Exception:
+            return "absent"
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {d: v(d) for d in ("stock-ledger", "aiokafka", "asyncpg", "msgspec", "uvloop", "psutil")},
+        "options": {k: (str(x) if isinstance(x, Path) else x) for k, x in vars(opts).items()},
+    }
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def render(summary: dict[str, Any], opts: Options) -> str:
+    m, r, meta = summary["median"], summary["ratios"], summary["meta"]
+    w, n = f"worker{opts.workers}_", opts.count
+    rows = [
+        ("raw consume (aiokafka + msgspec, no DB)", m["raw_consume_rate"], ""),
+        ("raw COPY (same rows, same indexes, no Kafka)", m["raw_copy_rate"], ""),
+        ("worker x1, spawn to drained", m["worker_rate"],
+         f"{r['worker_vs_limit']:.2f} x limit, {r['worker_vs_naive']:.1f} x naive"),
+        ("worker x1, first commit to drained", m["worker_steady_rate"], f"{r['worker_steady_vs_limit']:.2f} x limit"),
+        (f"worker x{opts.workers}, spawn to drained", m[w + "rate"],
+         f"{r[f'worker{opts.workers}_vs_limit']:.2f} x limit"),
+        (f"naive (auto-commit, INSERT per record; {min(opts.naive_count, n):,})", m["naive_rate"], ""),
+    ]
+    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if k != "psutil")
+    services = meta["services"]
+    width = max(len(name) for name, _, _ in rows)
+    out = [
+        (f"stock-ledger bench, {meta['date']}: N={n:,}, batch {opts.batch_max_records or DEFAULT_BATCH:,}, median of "
+        f"{opts.repeat}"),
+        (f"machine: {meta['cpus']} CPUs ({meta['cpu_model']}), {meta['memory_gib']} GiB; Python {meta['python']}, "
+        f"{versions}; PostgreSQL {services['postgresql']}, Kafka {services['kafka']}"),
+        "",
+        f"{'measurement':<{width}}  {'movements/s':>11}  ratio",
+        *(f"{name:<{width}}  {rate:>11,.0f}  {ratio}" for name, rate, ratio in rows),
+        "",
+        (f"worker peak RSS: {m['worker_peak_rss_mib']:.0f} MiB at N={n:,}, {m['small_worker_peak_rss_mib']:.0f} MiB at "
+        f"N/10 ({100 * (r['rss_n_vs_n10'] - 1):+.1f}%); x{opts.workers}: at most {m[w + 'peak_rss_mib']:.0f} MiB each"),
+        (f"worker CPU (user+sys): {m['worker_cpu_seconds_per_100k']:.2f} s per 100k movements; x{opts.workers}: "
+        f"{m[w + 'cpu_seconds_per_100k']:.2f} s"),
+        (f"latency at {opts.latency_rate:,}/s for {opts.latency_seconds:g} s, produce -> commit: p50 "
+        f"{m['latency_p50_ms']:.0f} ms, p99 {m['latency_p99_ms']:.0f} ms, max {m['latency_max_ms']:.0f} ms"),
+        (f"  (to the start of the batch transaction: p50 {m['latency_txn_start_p50_ms']:.0f} ms, p99 "
+        f"{m['latency_txn_start_p99_ms']:.0f} ms; the worker's histogram: p99 <= "
+        f"{m['latency_histogram_p99_le_ms']:.0f} ms)"),
+        "",
+        "targets:",
+        *(f"  [{'met' if t['met'] else 'MISSED'}] {name}: {t['value']:.3g} (target {t['target']})"
+          for name, t in summary["targets"].items()),
+    ]
+    if summary["batch_sweep"]:
+        out += ["", "batch size sweep (worker x1, first commit to drained):"]
+        out += [f"  {int(s['batch_max_records']):>6,}: {s['steady_rate']:>9,.0f}/s, "
+                f"peak RSS {s['peak_rss_mib']:.0f} MiB" for s in summary["batch_sweep"]]
+    return "\n".join(out)
+
+
+def svg_chart(sweep: Sequence[dict[str, float]], limit: float) -> str:
+    """Throughput per batch size as a bar chart, with the physical limit as a line (hand-written SVG)."""
+    width, height, left, bottom, top = 640, 360, 80, 50, 40
+    top_value = max([s["steady_rate"] for s in sweep] + [limit]) * 1.1
+    plot_h, slot = height - bottom - top, (width - left - 20) / len(sweep)
+
+    def y(value: float) -> float:
+        return top + plot_h * (1 - value / top_value)
+
+    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             'font-size="12">'),
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             (f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">stock-ledger worker throughput per '
+             'batch size (movements/s)</text>'),
+             f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
+    for i in range(5):
+        value = top_value * i / 4
+        parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
+    for i, s in enumerate(sweep):
+        x = left + i * slot + slot * 0.2
+        parts += [
+            (f'<rect x="{x:.1f}" y="{y(s["steady_rate"]):.1f}" width="{slot * 0.6:.1f}" '
+            f'height="{top + plot_h - y(s["steady_rate"]):.1f}" fill="#4878a8"/>'),
+            (f'<text x="{x + slot * 0.3:.1f}" y="{y(s["steady_rate"]) - 4:.1f}" text-anchor="middle">'
+            f'{s["steady_rate"]:,.0f}</text>'),
+            (f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
+            f'{int(s["batch_max_records"]):,}</text>'),
+        ]
+    for value, label, dash in ((limit, "min(raw consume, raw COPY)", "6 4"), (limit / 2, "target: 0.5 x that", "2 3")):
+        parts += [
+            (f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
+            f'stroke-dasharray="{dash}"/>'),
+            f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>',
+        ]
+    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">STOCK_LEDGER_BATCH_MAX_RECORDS</text>',
+              "</svg>"]
+    return "\n".join(parts) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _sizes(raw: str) -> list[int]:
+    return [int(x) for x in raw.split(",") if x.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--count", type=int, default=1_000_000, help="movements in the topic (default 1,000,000)")
+    parser.add_argument("--naive-count", type=int, default=20_000, help="records for the naive baseline")
+    parser.add_argument("--repeat", type=int, default=1, help="repeat the measurements and report medians")
+    parser.add_argument("--latency-seconds", type=float, default=20.0, help="duration of the steady load")
+    parser.add_argument("--latency-rate", type=int, default=5_000, help="movements/s of the steady load")
+    parser.add_argument("--batch-max-records", type=int, default=None,
+                        help=f"STOCK_LEDGER_BATCH_MAX_RECORDS for the workers (default: the worker's, {DEFAULT_BATCH})")
+    parser.add_argument("--batch-sizes", type=_sizes, default=[],
+                        help="also drain N once per batch size, e.g. 500,2000,5000,10000, and chart it")
+    parser.add_argument("--workers", type=int, default=3, help="the multi-worker measurement (default 3)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="give up on a drain after this many seconds")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench-results/bench-<date>.json)")
+    parser.add_argument("--svg", type=Path, default=None, help="chart of the batch size sweep (default next to --out)")
+    a = parser.parse_args(argv)
+    if a.count < 1 or a.naive_count < 1 or a.repeat < 1 or a.workers < 1 or a.latency_rate < 1:
+        parser.error("--count, --naive-count, --repeat, --workers and --latency-rate must be >= 1")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = a.out or ROOT / "bench-results" / f"bench-{stamp}.json"
+    svg = a.svg or (out.with_suffix(".svg") if a.batch_sizes else None)
+    return Options(a.count, a.naive_count, a.repeat, a.latency_seconds, a.latency_rate, a.batch_max_records,
+                   a.batch_sizes, a.workers, a.timeout, out, svg)
+
+
+async def main(opts: Options) -> int:
+    # stdout is for the table: the library's own log lines (migrations) go to stderr, warnings and above only.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    bench = Bench(discover(), opts)
+    say(f"services ({bench.services.origin}): kafka {bench.services.kafka}; run {bench.run_id}; "
+        f"worker logs in {bench.logs}")
+    try:
+        measured = await measure(bench)
+    except BaseException:
+        bench.keep_logs = True
+        raise
+    finally:
+        await bench.drop_database()
+        await bench.delete_topics()
+        if bench.keep_logs:
+            say(f"worker logs kept in {bench.logs}")
+        else:
+            shutil.rmtree(bench.logs, ignore_errors=True)
+    summary = summarise(opts, measured)
+    summary["meta"]["elapsed_seconds"] = round(time.monotonic() - _STARTED, 1)
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.write_text(json.dumps(summary, indent=2) + "\n")
+    if opts.svg is not None and measured["batch_sweep"]:
+        opts.svg.write_text(svg_chart(measured["batch_sweep"], summary["limit_rate"]))
+        say(f"chart written to {opts.svg}")
+    print(render(summary, opts))
+    say(f"results written to {opts.out} ({summary['meta']['elapsed_seconds']:.0f}s in all)")
+    return 0
+
+
+def run() -> int:
+    opts = parse_args()
+    try:
+        import uvloop  # noqa: PLC0415 - the worker runs on uvloop, so the limits are measured on it too
+    except ImportError:
+        return asyncio.run(main(opts))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main(opts))
+
+
+if __name__ == "__main__":
+    sys.exit(run())
