@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,11 @@ async def _run(settings: Settings) -> int:
     from stock_ledger.service import serve  # noqa: PLC0415 - keep `--help` and config errors fast
 
     settings.require_database_url()
+    # What is imported now lives as long as the process: keep it out of every full collection, and collect the
+    # young generation less often (a batch allocates a few tracked objects per record). +5% in scripts/bench.py.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
     return await serve(settings)
 
 

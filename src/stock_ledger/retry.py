@@ -15,6 +15,7 @@ from stock_ledger.errors import RetryDeadlineExceeded
 _PG_TRANSIENT: Final = (
     asyncpg.PostgresConnectionError,   # connection lost or refused
     asyncpg.InterfaceError,            # connection closed under us
+    asyncpg.InternalClientError,       # protocol state confused by a session killed mid-statement
     asyncpg.OperatorInterventionError,  # pg_terminate_backend, shutdown, cannot connect now, query canceled
     asyncpg.InsufficientResourcesError,  # too many connections, disk full
     asyncpg.TransactionRollbackError,  # deadlock, serialization failure

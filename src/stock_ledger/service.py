@@ -312,6 +312,9 @@ class Worker:
             return False
         self.metrics.retries.labels(cause).inc()
         self._db_ok = False
+        if cause == "database" and self._conn is not None:
+            # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
+            self._conn.terminate()
         log.warning("batch.retry", cause=cause, attempt=self._backoff.attempt + 1, error=f"{type(exc).__name__}: {exc}")
         await self._backoff.wait("the batch transaction", exc)
         return True
@@ -398,9 +401,7 @@ class Worker:
         m.batch_records.observe(batch.size)
         now = time.time()
         m.last_commit.set(now)
-        for ts in batch.timestamps_ms:
-            if ts >= 0:
-                m.end_to_end.observe(max(0.0, now - ts / 1000))
+        m.end_to_end.observe_many([max(0.0, now - ts / 1000) for ts in batch.timestamps_ms if ts >= 0])
         log.debug("batch.committed", applied=applied, rejected=sum(rejected.values()), seconds=round(seconds, 4))
 
     async def _advisory_commit(self, offsets: dict[int, int]) -> None:
