@@ -915,6 +915,7 @@ async def main(opts: Options) -> int:
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(summary, indent=2) + "\n")
     if opts.svg is not None and measured["batch_sweep"]:
+        opts.svg.parent.mkdir(parents=True, exist_ok=True)
         opts.svg.write_text(svg_chart(measured["batch_sweep"], summary["limit_rate"]))
         say(f"chart written to {opts.svg}")
     print(render(summary, opts))
