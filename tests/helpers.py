@@ -199,15 +199,20 @@ async def send_raw(bootstrap: str, topic: str, records: Iterable[tuple[bytes | N
 
 # ------------------------------------------------------------------------------------------ checking
 
-async def topic_offsets(bootstrap: str, topic: str) -> dict[int, list[int]]:
-    """Every committed record's offset, per partition, read from the broker."""
+async def _partitions(bootstrap: str, topic: str) -> list[TopicPartition]:
+    """The topic's partitions, from the broker's metadata (written apart from the product's own helper)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         described = await admin.describe_topics([topic])
     finally:
         await admin.close()
-    tps = [TopicPartition(topic, p["partition"]) for p in described[0]["partitions"]]
+    return [TopicPartition(topic, p["partition"]) for p in described[0]["partitions"]]
+
+
+async def topic_offsets(bootstrap: str, topic: str) -> dict[int, list[int]]:
+    """Every committed record's offset, per partition, read from the broker."""
+    tps = await _partitions(bootstrap, topic)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed")
     await consumer.start()
     try:
@@ -224,16 +229,10 @@ async def topic_offsets(bootstrap: str, topic: str) -> dict[int, list[int]]:
 
 
 async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    tps = await _partitions(bootstrap, topic)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        await admin.start()
-        try:
-            described = await admin.describe_topics([topic])
-        finally:
-            await admin.close()
-        tps = [TopicPartition(topic, p["partition"]) for p in described[0]["partitions"]]
         return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
     finally:
         await consumer.stop()
