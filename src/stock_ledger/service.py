@@ -282,7 +282,7 @@ class Worker:
         ):
             current: Batch | None = batch
             while current is not None:
-                if self._conn is None or self._conn.is_closed():
+                if self._needs_connection():
                     self._conn = await self._retry("reconnect to PostgreSQL", lambda: connect(self.settings))
                 started = time.perf_counter()
                 try:
@@ -301,6 +301,17 @@ class Worker:
                 return {x.partition: x.next_offset for x in current.slices}
         return None
 
+    def _needs_connection(self) -> bool:
+        """True if a new session is needed; a session the server closed under us (terminated, restarted, idle
+        timeout) counts as a database retry, since no statement of ours saw the fault."""
+        if self._conn is None:
+            return True
+        if not self._conn.is_closed():
+            return False
+        self.metrics.retries.labels("database").inc()
+        log.info("db.reconnect", reason="the server closed our session while it was idle")
+        return True
+
     async def _may_retry(self, exc: Exception) -> bool:
         """Back off before retrying a transient fault; False to abandon the (rolled back) batch; else re-raise."""
         cause = transient_cause(exc)
@@ -315,6 +326,7 @@ class Worker:
         if cause == "database" and self._conn is not None:
             # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
             self._conn.terminate()
+            self._conn = None
         log.warning("batch.retry", cause=cause, attempt=self._backoff.attempt + 1, error=f"{type(exc).__name__}: {exc}")
         await self._backoff.wait("the batch transaction", exc)
         return True
@@ -424,7 +436,7 @@ class Worker:
         pending = sorted(self._pending, key=lambda tp: tp.partition)
         generation, member_id = self._generation()
         try:
-            if self._conn is None or self._conn.is_closed():
+            if self._needs_connection():
                 self._conn = await connect(self.settings)
             claims = await self.ledger.claim(self._conn, self.settings.topic, [tp.partition for tp in pending],
                                              generation, member_id)
