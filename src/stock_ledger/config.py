@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 OffsetReset = Literal["earliest", "latest", "none"]
 LogFormat = Literal["auto", "json", "console"]
+OnGap = Literal["halt", "record"]
 
 _T = TypeVar("_T")
 
@@ -43,6 +44,9 @@ class Settings:
     batch_max_records: int = 5_000
     batch_max_wait_ms: int = 200
     auto_offset_reset: OffsetReset = "earliest"
+    # A hole in the log (stored offset below the log start, or past the log end): halt the partition, or record
+    # the skipped range in ledger_gaps and move on (below the log start only).
+    on_gap: OnGap = "halt"
     retry_deadline_seconds: float = 60.0
     lock_timeout_ms: int = 5_000
     idle_in_transaction_timeout_ms: int = 15_000
@@ -134,7 +138,8 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     take("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", ints(1, 100_000))
     take("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", ints(1, 60_000))
     take("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", choice("earliest", "latest", "none"))
-    take("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", floats(1, 86_400))
+    take("STOCK_LEDGER_ON_GAP", "on_gap", choice("halt", "record"))
+    take("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", _parse_deadline)
     take("STOCK_LEDGER_LOCK_TIMEOUT_MS", "lock_timeout_ms", ints(100, 600_000))
     take("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms", ints(1_000, 3_600_000))
     take("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", floats(0.1, 600))
@@ -153,6 +158,14 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
             f"({settings.rebalance_timeout_ms} < {settings.session_timeout_ms})"
         )
     return settings
+
+
+def _parse_deadline(name: str, raw: str) -> float:
+    """0 means retry forever; anything else is at least a second."""
+    value = _parse_float(name, raw, 0, 86_400)
+    if 0 < value < 1:
+        raise ConfigError(f"{name}={value} must be 0 (retry forever) or between 1 and 86400 seconds")
+    return value
 
 
 def _parse_database_url(name: str, raw: str) -> str:

@@ -8,6 +8,8 @@ it takes `action`:
           stalled worker, as seen by /healthz
 Points, in batch order:
     after_read     records fetched, nothing written
+    during_copy    inside the transaction, the server waiting for data in the middle of the movements' COPY
+                   (where it ignores statement_timeout and idle_in_transaction_session_timeout)
     after_rows     inside the transaction, movements and quarantine rows written
     before_commit  inside the transaction, offsets advanced, COMMIT not yet sent
     after_commit   PostgreSQL committed, Kafka's advisory commit not yet sent
@@ -17,11 +19,16 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Final
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from stock_ledger.errors import ConfigError
 
-POINTS: Final = ("after_read", "after_rows", "before_commit", "after_commit")
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+_T = TypeVar("_T")
+
+POINTS: Final = ("after_read", "during_copy", "after_rows", "before_commit", "after_commit")
 _ACTIONS: Final = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": None}
 
 
@@ -44,6 +51,17 @@ class Faults:
 
     def __bool__(self) -> bool:
         return bool(self._armed)
+
+    def armed(self, point: str) -> bool:
+        return point in self._armed
+
+    async def midway(self, point: str, rows: Sequence[_T]) -> AsyncIterator[_T]:
+        """Yield `rows`, reaching `point` halfway through (COPY consumes them as the server waits for data)."""
+        half = len(rows) // 2
+        for i, row in enumerate(rows):
+            if i == half:
+                self.reached(point)
+            yield row
 
     def reached(self, point: str) -> bool:
         """Count a visit to `point` and act if armed; True means: hang here."""

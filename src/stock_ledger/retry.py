@@ -1,16 +1,23 @@
-"""Which faults are transient, and a bounded exponential backoff for them."""
+"""Which faults are transient, and the one retry path for them: count, log, back off, give up at the deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from typing import Final
+from typing import TYPE_CHECKING, Final, TypeVar
 
 import asyncpg
+import structlog
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from stock_ledger.errors import RetryDeadlineExceeded
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 _PG_TRANSIENT: Final = (
     asyncpg.PostgresConnectionError,   # connection lost or refused
@@ -56,7 +63,8 @@ def transient_cause(exc: BaseException) -> str | None:
 
 
 class Backoff:
-    """Exponential backoff with full jitter, giving up once `deadline` seconds have passed since the first fault."""
+    """Exponential backoff with full jitter, giving up once `deadline` seconds have passed since the first fault;
+    a deadline of 0 never gives up (Kubernetes then sees a live, NotReady pod instead of a crash loop)."""
 
     def __init__(self, deadline: float, first: float = 0.1, cap: float = 5.0) -> None:
         self._deadline, self._first, self._cap = deadline, first, cap
@@ -70,10 +78,46 @@ class Backoff:
         now = time.monotonic()
         if self._started is None:
             self._started = now
-        if now - self._started > self._deadline:
+        if self._deadline > 0 and now - self._started > self._deadline:
             raise RetryDeadlineExceeded(
                 f"{what} kept failing for {now - self._started:.0f}s (limit STOCK_LEDGER_RETRY_DEADLINE_SECONDS="
                 f"{self._deadline:g}): last error {type(exc).__name__}: {exc}; exiting so the pod is restarted"
             ) from exc
         self.attempt += 1
-        await asyncio.sleep(random.uniform(0, min(self._cap, self._first * 2**self.attempt)))  # noqa: S311
+        # The exponent is bounded: retrying forever must not overflow a float after ~1,000 attempts.
+        bound = min(self._cap, self._first * 2 ** min(self.attempt, 32))
+        await asyncio.sleep(random.uniform(0, bound))  # noqa: S311
+
+
+class Abandoned(Exception):
+    def __init__(self, what: str, cause: str) -> None:
+        super().__init__(f"{what}: abandoned on shutdown during a transient fault ({cause})")
+        self.cause = cause
+
+
+async def retrying(
+    op: Callable[[], Awaitable[_T]],
+    *,
+    what: str,
+    deadline: float,
+    stopping: asyncio.Event,
+    on_fault: Callable[[str, Exception], None],
+) -> _T:
+    """Run `op` until it succeeds. A transient fault is reported to `on_fault(cause, exc)` (count it, drop a broken
+    session), logged once, and backed off; the deadline counts from this operation's first fault, so nothing that
+    succeeds inside `op` (a reconnect) can restart it. A permanent fault is raised as it is; a transient one after
+    shutdown was requested raises `Abandoned` (whatever `op` did was rolled back or is harmless to repeat)."""
+    backoff = Backoff(deadline)
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            cause = transient_cause(exc)
+            if cause is None:
+                raise
+            if stopping.is_set():
+                raise Abandoned(what, cause) from exc
+            on_fault(cause, exc)
+            log.warning("retry", what=what, cause=cause, attempt=backoff.attempt + 1,
+                        error=f"{type(exc).__name__}: {exc}")
+            await backoff.wait(what, exc)

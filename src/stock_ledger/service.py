@@ -1,16 +1,17 @@
 """The worker: startup -> main loop -> shutdown.
 
-The main loop owns the database connection and is the only writer: it claims newly assigned partitions (the
+The main loop owns the database session and is the only writer: it claims newly assigned partitions (the
 rebalance listener only pauses them), reads a batch, applies it in one transaction (sink.Ledger.apply), then
-tells Kafka advisorily. The rebalance listener runs in aiokafka's coordination task; it waits for the in-flight
-batch on revocation, and on assignment pauses the partitions synchronously so nothing is fetched from Kafka's
-committed offsets before we seek to the ones stored in PostgreSQL.
+tells Kafka advisorily. Which partitions may be written, and from which offset, is `assignment.Assignment`; the
+claim, with its seek positions and the log's holes, is `claims.Claimer`. The rebalance listener runs in
+aiokafka's coordination task: on revocation it waits for the in-flight batch; on assignment it pauses the
+partitions synchronously, so nothing is fetched from Kafka's committed offsets before we seek to ours.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import signal
 import socket
 import time
@@ -19,30 +20,29 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import IllegalStateError, KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
 
-from stock_ledger.errors import FencedError, StockLedgerError
+from stock_ledger.assignment import Assignment
+from stock_ledger.claims import Claimer
+from stock_ledger.errors import FencedError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
 from stock_ledger.metrics import Metrics
 from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
-from stock_ledger.retry import Backoff, transient_cause
-from stock_ledger.sink import Batch, Claim, Ledger, Outcome, Record, build_batch
+from stock_ledger.retry import Abandoned, retrying
+from stock_ledger.sink import Batch, Ledger, Outcome, build_batch, session_name
+from stock_ledger.topics import refuse_compacted
 
 if TYPE_CHECKING:
-    from collections import Counter
-    from collections.abc import Awaitable, Callable, Iterable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from stock_ledger.config import Settings
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
-_OWNERS = """
-SELECT partition, member_id FROM consumer_offsets WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])
-"""
 
 
 async def connect(settings: Settings) -> asyncpg.Connection:
@@ -51,7 +51,8 @@ async def connect(settings: Settings) -> asyncpg.Connection:
         settings.require_database_url(),
         timeout=10,
         server_settings={
-            "application_name": "stock-ledger",
+            # Names the group, so a claim can tell a zombie of its own group among the sessions that block it.
+            "application_name": session_name(settings.group_id),
             # A claim waiting on a zombie's row lock gives up (and retries) instead of stalling the rebalance.
             "lock_timeout": str(settings.lock_timeout_ms),
             # A worker frozen inside its transaction loses its session, so its row locks are released.
@@ -77,22 +78,34 @@ class Worker:
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics(registry or CollectorRegistry())
-        self.faults = Faults(settings.fault)
-        self.ledger = Ledger(settings.group_id, self.faults)
+        self.ledger = Ledger(settings.group_id, Faults(settings.fault))
+        self.assignment = Assignment()
         self.stopping = asyncio.Event()
-        self._consumer: AIOKafkaConsumer | None = None
-        self._conn: asyncpg.Connection | None = None
+        self.consumer = self._make_consumer()
+        self.claimer = Claimer(settings, self.ledger, self.assignment, self.consumer, self.metrics,
+                               functools.partial(connect, settings))
         self._batch_lock = asyncio.Lock()
-        self._claims: dict[int, int] = {}          # partition -> epoch we hold
-        self._positions: dict[int, int | None] = {}  # partition -> next offset we expect (None: reset policy)
-        self._reseeked: set[int] = set()
-        self._fenced_at: dict[int, float] = {}     # partition -> when we were fenced off it
-        self._pending: set[TopicPartition] = set()  # assigned, paused, not yet claimed
-        self._assignment_version = 0
-        self._joined = False
-        self._last_progress = time.monotonic()
+        self._conn: asyncpg.Connection | None = None
         self._db_ok = False
-        self._backoff = Backoff(settings.retry_deadline_seconds)
+        self._last_progress = time.monotonic()
+        self._main: asyncio.Task[None] | None = None
+
+    async def serve(self) -> int:
+        """Run until SIGTERM/SIGINT (see `handle_exit`); 0 on a requested stop."""
+        loop = asyncio.get_running_loop()
+        self._main = asyncio.create_task(self.run(), name="worker")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.handle_exit, sig)
+        try:
+            await self._main
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise
+            log.warning("worker.grace_expired", detail="in-flight batch abandoned; its transaction rolled back")
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        return 0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -103,13 +116,16 @@ class Worker:
         await http.start()
         monitor = PositionMonitor(s, self.metrics)
         try:
-            self._conn = await self._retry("connect to PostgreSQL", lambda: connect(s))
+            self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect, s))
             await check_schema(self._conn)
             self._db_ok = True
-            self._consumer = self._make_consumer()
-            await self._retry("join the Kafka cluster", self._consumer.start)
+            await self._retry("check the topic", functools.partial(refuse_compacted, s.kafka_bootstrap_servers,
+                                                                     s.topic))
+            await self._retry("join the Kafka cluster", self.consumer.start)
             monitor.start()
             await self._main_loop()
+        except Abandoned as exc:
+            log.info("worker.abandoned", detail=str(exc))
         finally:
             self.metrics.ready.set(0)
             await monitor.close()
@@ -127,7 +143,10 @@ class Worker:
             group_instance_id=s.group_instance_id,
             client_id=f"stock-ledger-{socket.gethostname()}",
             enable_auto_commit=False,  # offsets live in PostgreSQL, committed with the rows
-            auto_offset_reset=s.auto_offset_reset,
+            # Never reset a position silently: a fetch below the log start (retention) or past its end (topic
+            # recreated) raises, and claims.py decides (STOCK_LEDGER_ON_GAP). The reset policy applies only to
+            # partitions with no stored offset, resolved by the claim.
+            auto_offset_reset="none",
             isolation_level="read_committed",  # never apply a movement from an aborted producer transaction
             session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=max(100, s.session_timeout_ms // 3),
@@ -139,18 +158,23 @@ class Worker:
         return consumer
 
     async def _close_consumer(self) -> None:
-        if self._consumer is None:
-            return
         try:
             # Leaving the group promptly hands our partitions to the survivors without waiting for a timeout.
-            await asyncio.wait_for(self._consumer.stop(), 10)
+            await asyncio.wait_for(self.consumer.stop(), 10)
         except (TimeoutError, KafkaError) as exc:
             log.warning("kafka.close_failed", error=str(exc))
 
-    def request_stop(self) -> None:
-        if not self.stopping.is_set():
-            log.info("worker.stop_requested", grace_seconds=self.settings.shutdown_grace_seconds)
-            self.stopping.set()
+    def handle_exit(self, sig: signal.Signals) -> None:
+        """The first SIGTERM/SIGINT drains (bounded by the grace period), a second one exits at once."""
+        if self.stopping.is_set():
+            log.warning("worker.forced_exit", signal=sig.name)
+            if self._main is not None:
+                self._main.cancel()
+            return
+        log.info("worker.signal", signal=sig.name, grace_seconds=self.settings.shutdown_grace_seconds)
+        self.stopping.set()
+        if self._main is not None:
+            asyncio.get_running_loop().call_later(self.settings.shutdown_grace_seconds, self._main.cancel)
 
     # ---------------------------------------------------------------- health
 
@@ -163,83 +187,55 @@ class Worker:
     async def readiness(self) -> tuple[bool, str]:
         if not self._db_ok:
             return False, "PostgreSQL not connected"
-        if not self._joined:
-            return False, "not yet a member of the consumer group"
-        if self._pending:
-            return False, f"{len(self._pending)} assigned partitions not yet claimed"
-        return True, f"{len(self._claims)} partitions claimed"
+        return self.assignment.readiness()
 
     def _update_ready(self) -> None:
-        self.metrics.ready.set(1 if self._db_ok and self._joined and not self._pending else 0)
+        self.metrics.ready.set(1 if self._db_ok and self.assignment.readiness()[0] else 0)
 
     # ---------------------------------------------------------------- rebalance (aiokafka's coordination task)
 
     def on_assigned(self, assigned: Sequence[TopicPartition]) -> None:
-        assert self._consumer is not None  # noqa: S101
         # Synchronously, before any await: the fetcher would otherwise start from Kafka's committed offsets.
-        self._consumer.pause(*assigned)
-        self._pending = set(assigned)
-        self._assignment_version += 1
-        self._joined = True
+        self.consumer.pause(*assigned)
+        self.assignment.assigned(tp.partition for tp in assigned)
         self.metrics.rebalances.inc()
         self._update_ready()
         log.info("rebalance.assigned", partitions=sorted(tp.partition for tp in assigned),
-                 generation=self._generation())
+                 generation=self.claimer.generation()[0])
 
     async def on_revoked(self, revoked: Sequence[TopicPartition]) -> None:
-        self._assignment_version += 1
-        self._pending.clear()
         started = time.monotonic()
+        partitions = [tp.partition for tp in revoked]
         # Wait for the in-flight batch, bounded well inside the rebalance timeout. If it is still running after
         # that, the database fences it anyway once the new owner claims: this wait only avoids pointless rollbacks.
         try:
             await asyncio.wait_for(self._batch_lock.acquire(), self.settings.rebalance_timeout_ms / 2000)
         except TimeoutError:
             log.warning("rebalance.revoke_without_waiting", waited_seconds=round(time.monotonic() - started, 1))
-            self._drop(tp.partition for tp in revoked)
+            self.assignment.revoked(partitions)
         else:
             try:
-                self._drop(tp.partition for tp in revoked)
+                self.assignment.revoked(partitions)
             finally:
                 self._batch_lock.release()
-        log.info("rebalance.revoked", partitions=sorted(tp.partition for tp in revoked),
+        self.metrics.assigned_partitions.set(len(self.assignment.epochs))
+        log.info("rebalance.revoked", partitions=sorted(partitions),
                  waited_seconds=round(time.monotonic() - started, 3))
-
-    def _drop(self, partitions: Iterable[int]) -> None:
-        for p in partitions:
-            self._claims.pop(p, None)
-            self._positions.pop(p, None)
-        self.metrics.assigned_partitions.set(len(self._claims))
-
-    def _generation(self) -> tuple[int | None, str | None]:
-        # aiokafka exposes neither publicly; kept beside the claim for diagnostics only.
-        coordinator = getattr(self._consumer, "_coordinator", None)
-        generation = getattr(coordinator, "generation", None)
-        member_id = getattr(coordinator, "member_id", None)
-        return (generation if isinstance(generation, int) and generation >= 0 else None,
-                member_id if isinstance(member_id, str) and member_id else None)
 
     # ---------------------------------------------------------------- main loop
 
     async def _main_loop(self) -> None:
-        assert self._consumer is not None  # noqa: S101
-        s = self.settings
         while not self.stopping.is_set():
             self._last_progress = time.monotonic()
-            self._check_fenced_partitions()
-            if self._pending:
-                await self._claim_pending()
+            self.claimer.check_fenced_partitions()
+            if self.assignment.pending or self.claimer.recheck_due():
+                await self._retry("claiming partitions", self._claim)
+                self._update_ready()
                 continue
-            try:
-                fetched = await self._consumer.getmany(timeout_ms=s.batch_max_wait_ms, max_records=s.batch_max_records)
-            except KafkaError as exc:
-                self.metrics.retries.labels("kafka").inc()
-                log.warning("kafka.fetch_failed", error=f"{type(exc).__name__}: {exc}")
-                await self._backoff.wait("fetching from Kafka", exc)
-                continue
+            fetched = await self._fetch()
             if not fetched:
                 continue
-            if self.faults.reached("after_read"):
+            if self.ledger.faults.reached("after_read"):
                 await self.stopping.wait()
                 break
             async with self._batch_lock:
@@ -248,28 +244,31 @@ class Worker:
             if committed:
                 await self._advisory_commit(committed)
 
+    async def _claim(self) -> None:
+        await self.claimer.claim(await self._session())
+
+    async def _fetch(self) -> dict[TopicPartition, list[Any]]:
+        s = self.settings
+        try:
+            return await self._retry("fetching from Kafka", functools.partial(
+                self.consumer.getmany, timeout_ms=s.batch_max_wait_ms, max_records=s.batch_max_records))
+        except OffsetOutOfRangeError as exc:
+            # Our position lies outside the log: a hole. The claim path examines it (record or halt).
+            out = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else {}
+            self.claimer.reexamine([tp.partition for tp in out], reason=f"fetch out of range: {out}")
+        except NoOffsetForPartitionError:
+            pass  # raised once for a partition still paused for its claim; the claim's seek positions it
+        return {}
+
     def _build(self, fetched: dict[TopicPartition, list[Any]]) -> Batch | None:
-        """Keep only records of partitions we hold a claim on, from the offset we sought to."""
-        assert self._consumer is not None  # noqa: S101
-        accepted: dict[int, list[Record]] = {}
-        for tp, records in fetched.items():
-            p = tp.partition
-            if p not in self._claims or not records:
-                continue  # revoked, fenced or not yet claimed: its new claim seeks again
-            expected = self._positions.get(p)
-            if expected is not None and records[0].offset != expected and p not in self._reseeked:
-                # Fetched before our seek took effect (or a hole in the log). Seek once more; if the log really has
-                # a hole here, the next fetch starts past `expected` again and is accepted.
-                log.warning("batch.unexpected_offset", partition=p, expected=expected, got=records[0].offset)
-                self._consumer.seek(tp, expected)
-                self._reseeked.add(p)
-                continue
-            fresh = records if expected is None else [r for r in records if r.offset >= expected]
-            if fresh:
-                accepted[p] = fresh
-        if not accepted:
+        accepted = self.assignment.accept({tp.partition: records for tp, records in fetched.items()})
+        for p, offset in accepted.reseek.items():
+            # Fetched before our seek took effect (or past transaction markers): seek once more to be sure.
+            log.info("batch.reseek", partition=p, expected=offset, got=fetched[self._tp(p)][0].offset)
+            self.consumer.seek(self._tp(p), offset)
+        if not accepted.records:
             return None
-        return build_batch(self.settings.topic, accepted, self._claims)
+        return build_batch(self.settings.topic, accepted.records, self.assignment.epochs)
 
     async def _apply(self, batch: Batch) -> dict[int, int] | None:
         """Run the batch transaction until it commits, is fenced away, or the retry deadline passes.
@@ -282,130 +281,35 @@ class Worker:
         ):
             current: Batch | None = batch
             while current is not None:
-                if self._needs_connection():
-                    self._conn = await self._retry("reconnect to PostgreSQL", lambda: connect(self.settings))
-                started = time.perf_counter()
                 try:
-                    outcome = await self.ledger.apply(self._conn, current)
+                    outcome, seconds = await self._retry("the batch transaction",
+                                                         functools.partial(self._apply_once, current))
                 except FencedError as exc:
-                    await self._on_fenced(exc)
-                    current = self._without(current, set(exc.partitions))
+                    await self.claimer.fenced(exc, self._conn)
+                    current = current.without(set(exc.partitions))
                     continue
-                except StockLedgerError:
-                    raise
-                except Exception as exc:
-                    if not await self._may_retry(exc):
-                        return None
-                    continue
-                self._committed(current, outcome, time.perf_counter() - started)
+                except Abandoned as exc:
+                    # Rolled back, nothing written: the next owner applies it from the stored offset.
+                    log.info("batch.abandoned", reason="shutdown during a transient fault", cause=exc.cause)
+                    return None
+                self._committed(current, outcome, seconds)
                 return {x.partition: x.next_offset for x in current.slices}
         return None
 
-    def _needs_connection(self) -> bool:
-        """True if a new session is needed; a session the server closed under us (terminated, restarted, idle
-        timeout) counts as a database retry, since no statement of ours saw the fault."""
-        if self._conn is None:
-            return True
-        if not self._conn.is_closed():
-            return False
-        self.metrics.retries.labels("database").inc()
-        log.info("db.reconnect", reason="the server closed our session while it was idle")
-        return True
-
-    async def _may_retry(self, exc: Exception) -> bool:
-        """Back off before retrying a transient fault; False to abandon the (rolled back) batch; else re-raise."""
-        cause = transient_cause(exc)
-        if cause is None:
-            raise exc
-        if self.stopping.is_set():
-            # Rolled back, nothing written: the next owner applies it from the stored offset.
-            log.info("batch.abandoned", reason="shutdown during a transient fault", cause=cause)
-            return False
-        self.metrics.retries.labels(cause).inc()
-        self._db_ok = False
-        if cause == "database" and self._conn is not None:
-            # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
-            self._conn.terminate()
-            self._conn = None
-        log.warning("batch.retry", cause=cause, attempt=self._backoff.attempt + 1, error=f"{type(exc).__name__}: {exc}")
-        await self._backoff.wait("the batch transaction", exc)
-        return True
+    async def _apply_once(self, batch: Batch) -> tuple[Outcome, float]:
+        conn = await self._session()
+        started = time.perf_counter()
+        outcome = await self.ledger.apply(conn, batch)
+        return outcome, time.perf_counter() - started
 
     def _committed(self, batch: Batch, outcome: Outcome, seconds: float) -> None:
-        self._backoff.reset()
         self._db_ok = True
-        self._record(batch, outcome.applied, outcome.rejected, seconds)
         if outcome.already_applied:
             log.info("batch.already_applied", detail="an earlier attempt committed; its reply was lost")
-        for x in batch.slices:
-            self._positions[x.partition] = x.next_offset
-
-    @staticmethod
-    def _without(batch: Batch, fenced: set[int]) -> Batch | None:
-        """The same batch without the fenced partitions (from the rows we hold, no re-fetch); None if empty."""
-        slices = [x for x in batch.slices if x.partition not in fenced]
-        if not slices:
-            return None
-        keep = [(m, raw) for m, raw in zip(batch.movements, batch.raw, strict=True) if m[7] not in fenced]
-        rejects = [r for r in batch.rejects if r[1] not in fenced]
-        return Batch(batch.topic, slices, [m for m, _ in keep], rejects, [raw for _, raw in keep],
-                     batch.timestamps_ms)
-
-    async def _on_fenced(self, exc: FencedError) -> None:
-        assert self._consumer is not None  # noqa: S101
-        self.metrics.fenced.inc()
-        log.warning("batch.fenced", partitions={p: {"ours": o, "stored": s} for p, (o, s) in exc.partitions.items()},
-                    detail="another worker claimed these partitions; not writing them until they are claimed again")
-        tps = [TopicPartition(self.settings.topic, p) for p in exc.partitions]
-        with contextlib.suppress(IllegalStateError):
-            self._consumer.pause(*[tp for tp in tps if tp in self._consumer.assignment()])
-        self._drop(exc.partitions)
-        now = time.monotonic()
-        for p in exc.partitions:
-            self._fenced_at.setdefault(p, now)
-        await self._exit_if_replaced(list(exc.partitions))
-
-    async def _exit_if_replaced(self, partitions: list[int]) -> None:
-        """With static membership, a claim by a newer process with our instance id means we are the zombie of a
-        force-deleted pod: aiokafka would keep rejoining and the two would take turns fencing each other. Exit."""
-        instance = self.settings.group_instance_id
-        if not instance or self._conn is None:
-            return
-        _, ours = self._generation()
-        try:
-            rows = await self._conn.fetch(_OWNERS, self.settings.group_id, self.settings.topic, partitions)
-        except Exception as exc:
-            if transient_cause(exc) is None:
-                raise
-            return  # cannot tell now; the next fence asks again
-        for r in rows:
-            owner = r["member_id"]
-            # Kafka names a static member "<group.instance.id>-<uuid>".
-            if owner and owner != ours and owner.startswith(f"{instance}-"):
-                raise StockLedgerError(
-                    f"partition {r['partition']} was claimed by member {owner}, a newer process with this "
-                    f"STOCK_LEDGER_GROUP_INSTANCE_ID={instance}: this process is a zombie and exits"
-                )
-
-    def _check_fenced_partitions(self) -> None:
-        """A fenced partition that Kafka still assigns to us and never reassigns would stall: restart instead."""
-        if not self._fenced_at:
-            return
-        assert self._consumer is not None  # noqa: S101
-        assigned = {tp.partition for tp in self._consumer.assignment()}
-        for p, since in list(self._fenced_at.items()):
-            if p in self._claims or p not in assigned:
-                del self._fenced_at[p]
-            elif time.monotonic() - since > 3 * self.settings.session_timeout_ms / 1000:
-                raise StockLedgerError(
-                    f"partition {p} stayed assigned to this worker after it was fenced, but was not reassigned: "
-                    "exiting so the restart rejoins the group with a fresh claim"
-                )
-
-    def _record(self, batch: Batch, applied: int, rejected: Counter[str], seconds: float) -> None:
+        self.assignment.committed({x.partition: x.next_offset for x in batch.slices})
         m = self.metrics
-        m.applied.inc(applied)
-        for code, n in rejected.items():
+        m.applied.inc(outcome.applied)
+        for code, n in outcome.rejected.items():
             m.rejected.labels(code).inc(n)
             log.warning("batch.rejected", reason=code, records=n)
         m.batches.inc()
@@ -414,116 +318,53 @@ class Worker:
         now = time.time()
         m.last_commit.set(now)
         m.end_to_end.observe_many([max(0.0, now - ts / 1000) for ts in batch.timestamps_ms if ts >= 0])
-        log.debug("batch.committed", applied=applied, rejected=sum(rejected.values()), seconds=round(seconds, 4))
+        log.debug("batch.committed", applied=outcome.applied, rejected=sum(outcome.rejected.values()),
+                  seconds=round(seconds, 4))
 
     async def _advisory_commit(self, offsets: dict[int, int]) -> None:
         """Tell Kafka too, for lag dashboards and kafka-consumer-groups.sh. Never fatal, never a source of truth."""
-        assert self._consumer is not None  # noqa: S101
-        assigned = self._consumer.assignment()
-        tps = {TopicPartition(self.settings.topic, p): OffsetAndMetadata(o, "") for p, o in offsets.items()}
-        tps = {tp: o for tp, o in tps.items() if tp in assigned}
+        assigned = self.consumer.assignment()
+        tps = {self._tp(p): OffsetAndMetadata(o, "") for p, o in offsets.items() if self._tp(p) in assigned}
         if not tps:
             return
         try:
-            await asyncio.wait_for(self._consumer.commit(tps), 5)
+            await asyncio.wait_for(self.consumer.commit(tps), 5)
         except (KafkaError, IllegalStateError, TimeoutError) as exc:
             log.info("kafka.advisory_commit_failed", error=f"{type(exc).__name__}: {exc}",
                      detail="harmless: PostgreSQL holds the offsets")
 
-    async def _claim_pending(self) -> None:
-        assert self._consumer is not None  # noqa: S101
-        version = self._assignment_version
-        pending = sorted(self._pending, key=lambda tp: tp.partition)
-        generation, member_id = self._generation()
-        try:
-            if self._needs_connection():
-                self._conn = await connect(self.settings)
-            claims = await self.ledger.claim(self._conn, self.settings.topic, [tp.partition for tp in pending],
-                                             generation, member_id)
-            starts = await self._start_offsets(pending, claims)
-        except Exception as exc:
-            cause = transient_cause(exc)
-            if cause is None:
-                raise
-            self.metrics.retries.labels(cause).inc()
-            log.warning("claim.retry", cause=cause, error=f"{type(exc).__name__}: {exc}")
-            await self._backoff.wait("claiming partitions", exc)
-            return
-        self._backoff.reset()
-        if version != self._assignment_version:
-            return  # a newer rebalance happened meanwhile; its own claim (a newer epoch) supersedes this one
-        for tp, claim in zip(pending, claims, strict=True):
-            self._consumer.seek(tp, starts[tp])
-            self._claims[tp.partition] = claim.epoch
-            self._positions[tp.partition] = starts[tp]
-            self._reseeked.discard(tp.partition)
-        self._consumer.resume(*pending)
-        self._pending.clear()
-        self.metrics.claims.inc(len(claims))
-        self.metrics.assigned_partitions.set(len(self._claims))
-        self._update_ready()
-        log.info("claim.done", generation=generation, member_id=member_id,
-                 claims={c.partition: {"epoch": c.epoch, "seek": starts[tp]} for tp, c in zip(pending, claims,
-                                                                                             strict=True)})
+    # ---------------------------------------------------------------- sessions and retries
 
-    async def _start_offsets(self, tps: list[TopicPartition], claims: list[Claim]) -> dict[TopicPartition, int]:
-        """Stored offset, or the reset policy when none is stored, resolved to a number before any seek."""
-        assert self._consumer is not None  # noqa: S101
-        starts = {tp: c.next_offset for tp, c in zip(tps, claims, strict=True) if c.next_offset is not None}
-        missing = [tp for tp in tps if tp not in starts]
-        if missing:
-            policy = self.settings.auto_offset_reset
-            if policy == "none":
-                raise StockLedgerError(
-                    f"no stored offset for partitions {[tp.partition for tp in missing]} and "
-                    "STOCK_LEDGER_AUTO_OFFSET_RESET=none: set it to earliest to apply the whole history"
-                )
-            lookup = self._consumer.beginning_offsets if policy == "earliest" else self._consumer.end_offsets
-            found = await lookup(missing)
-            starts.update({tp: int(found[tp]) for tp in missing})
-            log.info("claim.reset_policy", policy=policy, partitions={tp.partition: starts[tp] for tp in missing})
-        return starts
+    async def _session(self) -> asyncpg.Connection:
+        """The one database session; a session the server closed under us (terminated, restarted, idle timeout)
+        counts as a database retry, since no statement of ours saw the fault."""
+        if self._conn is not None and self._conn.is_closed():
+            self.metrics.retries.labels("database").inc()
+            log.info("db.reconnect", reason="the server closed our session while it was idle")
+            self._conn = None
+        if self._conn is None:
+            self._conn = await connect(self.settings)
+        self._db_ok = True
+        return self._conn
+
+    def _on_fault(self, cause: str, _exc: Exception) -> None:
+        self.metrics.retries.labels(cause).inc()
+        self._last_progress = time.monotonic()  # retrying is alive: /healthz stays 200, /readyz says why not
+        if cause == "database":
+            self._db_ok = False
+            self._update_ready()
+            if self._conn is not None:
+                # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
+                self._conn.terminate()
+                self._conn = None
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[_T]]) -> _T:
-        while True:
-            try:
-                result = await op()
-            except Exception as exc:
-                cause = transient_cause(exc)
-                if cause is None or self.stopping.is_set():
-                    raise
-                self.metrics.retries.labels(cause).inc()
-                log.warning("startup.retry", what=what, cause=cause, error=f"{type(exc).__name__}: {exc}")
-                await self._backoff.wait(what, exc)
-            else:
-                self._backoff.reset()
-                return result
+        return await retrying(op, what=what, deadline=self.settings.retry_deadline_seconds, stopping=self.stopping,
+                              on_fault=self._on_fault)
+
+    def _tp(self, partition: int) -> TopicPartition:
+        return TopicPartition(self.settings.topic, partition)
 
 
 async def serve(settings: Settings, registry: CollectorRegistry | None = None) -> int:
-    """Run a worker until SIGTERM/SIGINT; the first signal drains, a second one exits at once."""
-    worker = Worker(settings, registry)
-    loop = asyncio.get_running_loop()
-    main = asyncio.create_task(worker.run(), name="worker")
-
-    def on_signal(sig: signal.Signals) -> None:
-        if worker.stopping.is_set():
-            log.warning("worker.forced_exit", signal=sig.name)
-            main.cancel()
-            return
-        log.info("worker.signal", signal=sig.name)
-        worker.request_stop()
-        loop.call_later(settings.shutdown_grace_seconds, main.cancel)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        await main
-    except asyncio.CancelledError:
-        if not worker.stopping.is_set():
-            raise
-        log.warning("worker.grace_expired", detail="in-flight batch abandoned; its transaction rolled back")
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    return 0
+    return await Worker(settings, registry).serve()

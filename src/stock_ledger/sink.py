@@ -16,22 +16,29 @@ and 5,000 index probes, and its cached generic plan could turn into a sequential
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import asyncpg
 import msgspec
+import structlog
 
 from stock_ledger.domain import Movement, RejectCode, Rejection, parse
-from stock_ledger.errors import CoordinateConflictError, FencedError, OffsetRegressionError
+from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerIntegrityError, OffsetRegressionError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
     from stock_ledger.faults import Faults
+    from stock_ledger.gaps import Gap
+
+log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 MOVEMENT_COLUMNS: Final = (
     "movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at",
@@ -41,6 +48,52 @@ REJECT_COLUMNS: Final = (
     "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp",
     "key", "value", "reason_code", "reason", "movement_id",
 )
+_PARTITION: Final = MOVEMENT_COLUMNS.index("kafka_partition")
+_REJECT_PARTITION: Final = REJECT_COLUMNS.index("kafka_partition")
+
+
+def session_name(group_id: str) -> str:
+    """The application_name of this group's sessions (PostgreSQL keeps 63 bytes of it)."""
+    name = f"stock-ledger/{group_id}"
+    if len(name.encode()) > 63:
+        name = f"stock-ledger/{hashlib.sha256(group_id.encode()).hexdigest()[:32]}"
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Unblock:
+    """Terminates the sessions of this service and group that keep a claim waiting (zombies: frozen, even inside
+    COPY, where the server's own timeouts do not reach them), once it has waited `after` seconds."""
+
+    after: float
+    connect: Callable[[], Awaitable[asyncpg.Connection]]
+    application_name: str
+
+    async def run(self, conn: asyncpg.Connection, statement: Awaitable[_T]) -> _T:
+        task = asyncio.ensure_future(statement)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.after)
+            if not done:
+                await self._terminate_blockers(conn.get_server_pid())
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _terminate_blockers(self, waiting_pid: int) -> None:
+        try:
+            side = await self.connect()
+            try:
+                pids = [r[0] for r in await side.fetch(_TERMINATE_BLOCKERS, waiting_pid, self.application_name)]
+            finally:
+                await side.close(timeout=2)
+        except Exception as exc:
+            # The claim still waits for lock_timeout and is retried; nothing depends on this succeeding.
+            log.warning("claim.unblock_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        if pids:
+            log.warning("claim.zombies_terminated", pids=pids,
+                        detail="sessions of this group held our partitions' rows: a frozen or lost former owner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +109,8 @@ class PartitionSlice:
     epoch: int
     first_offset: int
     next_offset: int
+    # Each record's Kafka timestamp, for the latency metric; not part of what identifies the slice.
+    timestamps_ms: list[int] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +132,23 @@ class Batch:
     rejects: list[tuple[Any, ...]]
     # The raw (key, value) of each movement, parallel to `movements`: kept if the row is quarantined later.
     raw: list[tuple[bytes | None, bytes | None]] = field(default_factory=list)
-    timestamps_ms: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
         return len(self.movements) + len(self.rejects)
+
+    @property
+    def timestamps_ms(self) -> list[int]:
+        return [ts for x in self.slices for ts in x.timestamps_ms]
+
+    def without(self, partitions: set[int]) -> Batch | None:
+        """The same batch without these partitions (from the rows we hold, no re-fetch); None if nothing is left."""
+        slices = [x for x in self.slices if x.partition not in partitions]
+        if not slices:
+            return None
+        keep = [i for i, m in enumerate(self.movements) if m[_PARTITION] not in partitions]
+        return Batch(self.topic, slices, [self.movements[i] for i in keep],
+                     [r for r in self.rejects if r[_REJECT_PARTITION] not in partitions], [self.raw[i] for i in keep])
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,17 +170,16 @@ def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Map
     raw: list[tuple[bytes | None, bytes | None]] = []
     # Keyed by UUID.int: uuid.UUID hashes in Python code, an int in C. This loop runs once per record.
     seen_ids: set[int] = set()
-    timestamps: list[int] = []
     # Records produced in the same millisecond share a timestamp (~70% of them under load): one datetime each.
     stamps: dict[int, datetime | None] = {}
     for partition in sorted(records):
         recs = records[partition]
         if not recs:
             continue
-        slices.append(PartitionSlice(partition, epochs[partition], recs[0].offset, recs[-1].offset + 1))
+        slices.append(PartitionSlice(partition, epochs[partition], recs[0].offset, recs[-1].offset + 1,
+                                     [r.timestamp for r in recs]))
         for r in recs:
             ms = r.timestamp
-            timestamps.append(ms)
             kafka_ts = stamps.get(ms)
             if kafka_ts is None and ms >= 0:
                 kafka_ts = stamps[ms] = _ts(ms)
@@ -134,7 +200,7 @@ def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Map
                 topic, partition, r.offset, kafka_ts, r.key, r.value,
                 parsed.code.value, parsed.reason, _movement_id_of(r.value),
             ))
-    return Batch(topic, slices, movements, rejects, raw, timestamps)
+    return Batch(topic, slices, movements, rejects, raw)
 
 
 class _JustTheId(msgspec.Struct):
@@ -151,24 +217,55 @@ def _movement_id_of(value: bytes | None) -> uuid.UUID | None:
         return None
 
 
+# The claim takes a partition only from a claim of the same or an older Kafka generation: a claim that started
+# before a rebalance and reaches the database after it (it waited on a lock, a connect, a frozen process) takes
+# nothing, so it can never fence the rightful newer owner. $6 forces it (a group whose generation restarted).
 _CLAIM: Final = """
 INSERT INTO consumer_offsets AS o (group_id, topic, partition, epoch, generation, member_id, claimed_at)
 SELECT $1, $2, p, 1, $4, $5, now() FROM unnest($3::int[]) AS p ORDER BY p
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET epoch = o.epoch + 1, generation = EXCLUDED.generation, member_id = EXCLUDED.member_id, claimed_at = now()
+    WHERE $6 OR o.generation IS NULL OR EXCLUDED.generation IS NULL OR o.generation <= EXCLUDED.generation
 RETURNING partition, epoch, next_offset
 """
 
+_OTHER_GROUP: Final = "SELECT group_id FROM consumer_offsets WHERE group_id <> $1 LIMIT 1"
+
 # Compare-and-set: the row moves only if we still hold its epoch and the batch starts at or after the stored
-# offset (offsets may have holes: transaction markers, compaction). Rows are locked in partition order.
+# offset (offsets may have holes: transaction markers, aborted records). Rows are locked first, in partition
+# order, as claims lock them, so a batch and a claim can never deadlock.
 _ADVANCE: Final = """
+WITH locked AS (
+    SELECT partition FROM consumer_offsets
+     WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])
+     ORDER BY partition FOR UPDATE
+)
 UPDATE consumer_offsets AS o
    SET next_offset = b.next_offset, updated_at = now()
   FROM unnest($3::int[], $4::bigint[], $5::bigint[], $6::bigint[]) AS b(partition, epoch, first_offset, next_offset)
+  JOIN locked USING (partition)
  WHERE o.group_id = $1 AND o.topic = $2 AND o.partition = b.partition
    AND o.epoch = b.epoch
    AND (o.next_offset IS NULL OR o.next_offset <= b.first_offset)
 RETURNING o.partition
+"""
+
+# Moving past a hole in the log (STOCK_LEDGER_ON_GAP=record): the offset moves only under our epoch and only from
+# where it stood, and the skipped range is written in the same transaction.
+_SKIP: Final = """
+UPDATE consumer_offsets SET next_offset = $6, updated_at = now()
+ WHERE group_id = $1 AND topic = $2 AND partition = $3 AND epoch = $4 AND next_offset = $5
+RETURNING partition
+"""
+_RECORD_GAP: Final = """
+INSERT INTO ledger_gaps (group_id, topic, partition, first_offset, last_offset, reason)
+VALUES ($1, $2, $3, $4, $5, $6) RETURNING id
+"""
+
+# Sessions of this service and group that block our claim: zombies by definition, since the claim is the owner's.
+_TERMINATE_BLOCKERS: Final = """
+SELECT pid FROM pg_stat_activity
+ WHERE pid = ANY(pg_blocking_pids($1)) AND application_name = $2 AND pg_terminate_backend(pid)
 """
 
 _CURRENT: Final = """
@@ -201,19 +298,41 @@ class Ledger:
 
     def __init__(self, group_id: str, faults: Faults) -> None:
         self.group_id = group_id
-        self._faults = faults
+        self.faults = faults
 
-    async def claim(
+    async def claim(  # noqa: PLR0913 - the claim's whole input, as stored beside it
         self, conn: asyncpg.Connection, topic: str, partitions: Iterable[int], generation: int | None,
-        member_id: str | None,
+        member_id: str | None, *, force: bool = False, unblock: Unblock | None = None,
     ) -> list[Claim]:
         """Bump each partition's epoch and return the offset to seek to, in one statement.
 
-        If a zombie's batch transaction holds a row, this waits for it (bounded by lock_timeout) and then reads
-        the offset that batch committed, never a stale one.
+        Partitions whose stored generation is newer than ours are not taken (not returned): this claim is stale.
+        If a zombie's batch transaction holds a row, this waits for it; after `unblock.after` seconds the zombie's
+        session is terminated (same service, same group: the claim is the owner's), then this reads the offset
+        the zombie committed, never a stale one. Refuses a database that holds another group's ledger.
         """
-        rows = await conn.fetch(_CLAIM, self.group_id, topic, sorted(partitions), generation, member_id)
+        async with conn.transaction():
+            other = await conn.fetchval(_OTHER_GROUP, self.group_id)
+            if other is not None:
+                raise LedgerIntegrityError(
+                    f"this database already holds the ledger of consumer group {other!r}, not {self.group_id!r}: "
+                    "movement_id and Kafka coordinates are unique across the ledger, so two groups would collide. "
+                    "Use one database per group (or set STOCK_LEDGER_GROUP_ID to the group that owns it)"
+                )
+            pending = conn.fetch(_CLAIM, self.group_id, topic, sorted(partitions), generation, member_id, force)
+            rows = await (pending if unblock is None else unblock.run(conn, pending))
         return sorted((Claim(r["partition"], r["epoch"], r["next_offset"]) for r in rows), key=lambda c: c.partition)
+
+    async def skip_gap(self, conn: asyncpg.Connection, topic: str, gap: Gap, epoch: int) -> int | None:
+        """Move the partition's offset past a hole and record the hole, in one transaction; the id of the
+        ledger_gaps row, or None if the offset moved meanwhile (fenced: a newer claim decides)."""
+        async with conn.transaction():
+            moved = await conn.fetchval(_SKIP, self.group_id, topic, gap.partition, epoch, gap.first_offset,
+                                        gap.last_offset + 1)
+            if moved is None:
+                return None
+            return int(await conn.fetchval(_RECORD_GAP, self.group_id, topic, gap.partition, gap.first_offset,
+                                           gap.last_offset, gap.reason))
 
     async def apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
         """THE batch transaction. Raises FencedError, OffsetRegressionError or CoordinateConflictError."""
@@ -234,7 +353,7 @@ class Ledger:
                     "guard let the batch through; refusing to continue (see `stock-ledger verify`)"
                 ) from exc
             raise  # movement_id raced in from another partition's batch: retriable, the retry quarantines it
-        self._faults.reached("after_commit")
+        self.faults.reached("after_commit")
         return Outcome(len(movements), Counter(r[6] for r in rejects))
 
     async def _transaction(
@@ -246,12 +365,13 @@ class Ledger:
             if look_up_known:
                 movements, rejects = await self._quarantine_known(conn, batch)
             if movements:
-                await conn.copy_records_to_table("stock_movements", records=movements, columns=MOVEMENT_COLUMNS)
+                rows = self.faults.midway("during_copy", movements) if self.faults.armed("during_copy") else movements
+                await conn.copy_records_to_table("stock_movements", records=rows, columns=MOVEMENT_COLUMNS)
             if rejects:
                 await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
-            self._faults.reached("after_rows")
+            self.faults.reached("after_rows")
             await _add_levels(conn, movements)
-            self._faults.reached("before_commit")
+            self.faults.reached("before_commit")
         return movements, rejects
 
     async def _advance_offsets(self, conn: asyncpg.Connection, batch: Batch) -> None:

@@ -6,7 +6,10 @@ import asyncio
 
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+
+from stock_ledger.errors import StockLedgerError
 
 log = structlog.get_logger(__name__)
 
@@ -45,3 +48,30 @@ async def partitions_of(bootstrap: str, topic: str) -> list[int]:
     finally:
         await admin.close()
     return sorted(p["partition"] for t in described if t["error_code"] == 0 for p in t["partitions"])
+
+
+async def cleanup_policy(bootstrap: str, topic: str) -> str | None:
+    """The topic's cleanup.policy (None if the topic does not exist)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})])
+    finally:
+        await admin.close()
+    for response in responses:
+        for error_code, _message, _type, name, entries, *_ in response.resources:
+            if name == topic and error_code == 0:
+                return next((str(e[1]) for e in entries if e[0] == "cleanup.policy"), None)
+    return None
+
+
+async def refuse_compacted(bootstrap: str, topic: str) -> None:
+    """Compaction deletes movements of a SKU before they are applied (only the key's last record survives): a
+    ledger over a compacted topic silently loses movements, so the worker refuses to start on one."""
+    policy = await cleanup_policy(bootstrap, topic)
+    if policy is not None and "compact" in policy:
+        raise StockLedgerError(
+            f"topic {topic} has cleanup.policy={policy}: compaction deletes movements before they are applied. "
+            "Set cleanup.policy=delete on the topic (kafka-configs --alter --add-config cleanup.policy=delete)"
+        )

@@ -31,9 +31,9 @@ def kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, signal.Signals]]:
 class TestSpec:
     """`point[@n][:kill|stop]`, comma-separated; anything else is a configuration error."""
 
-    def test_the_points_are_the_four_crash_points_in_batch_order(self) -> None:
-        """The issue names exactly these four moments."""
-        assert POINTS == ("after_read", "after_rows", "before_commit", "after_commit")
+    def test_the_points_are_the_crash_points_in_batch_order(self) -> None:
+        """The four moments of the first issue, plus `during_copy` (hardening issue: a worker frozen mid-COPY)."""
+        assert POINTS == ("after_read", "during_copy", "after_rows", "before_commit", "after_commit")
 
     @pytest.mark.parametrize("spec", [None, "", " ", ",", " , "])
     def test_no_spec_arms_nothing(self, spec: str | None) -> None:
@@ -97,7 +97,7 @@ class TestReached:
     def test_an_unarmed_fault_set_never_signals(self, kills: list[tuple[int, signal.Signals]]) -> None:
         """Production: every point can be reached any number of times."""
         f = Faults(None)
-        assert [f.reached(point) for point in POINTS * 3] == [False] * 12
+        assert [f.reached(point) for point in POINTS * 3] == [False] * (3 * len(POINTS))
         assert kills == []
 
     def test_the_nth_visit_kills_and_no_other(self, kills: list[tuple[int, signal.Signals]]) -> None:
@@ -211,3 +211,18 @@ def test_stop_freezes_on_the_second_visit_until_sigcont() -> None:
         if child.poll() is None:
             child.kill()
             child.wait(10)
+
+
+class TestMidway:
+    """`during_copy` fires in the middle of the rows COPY consumes, so the server is inside COPY waiting for data."""
+
+    @pytest.mark.asyncio
+    async def test_the_point_is_reached_halfway_and_every_row_still_flows(self, kills: list) -> None:
+        f = Faults("during_copy:stop")
+        seen: list[int] = []
+        async for row in f.midway("during_copy", list(range(10))):
+            seen.append(row)
+            if row == 4:
+                assert kills == []
+        assert seen == list(range(10))
+        assert [sig for _, sig in kills] == [signal.SIGSTOP]

@@ -207,6 +207,15 @@ class TestBackoff:
         assert clock.sleeps[0] <= 0.2
 
     @pytest.mark.asyncio
+    async def test_a_deadline_of_zero_never_gives_up(self, clock: FakeTime) -> None:
+        """STOCK_LEDGER_RETRY_DEADLINE_SECONDS=0: a fault that lasts a day is still retried, at the capped delay
+        (the pod stays live and NotReady instead of crash-looping)."""
+        backoff = Backoff(deadline=0, first=0.1, cap=5.0)
+        while clock.now - 1000.0 < 86_400:
+            await backoff.wait("the batch transaction", TimeoutError())
+        assert clock.sleeps[-1] == 5.0
+
+    @pytest.mark.asyncio
     async def test_the_first_fault_never_raises(self, clock: FakeTime) -> None:
         """The deadline counts from the first fault, so a fault after a long healthy run is retried."""
         clock.now = 10**9
