@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TypeVar
 
 import asyncpg
@@ -95,29 +96,31 @@ class Abandoned(Exception):
         self.cause = cause
 
 
-async def retrying(
-    op: Callable[[], Awaitable[_T]],
-    *,
-    what: str,
-    deadline: float,
-    stopping: asyncio.Event,
-    on_fault: Callable[[str, Exception], None],
-) -> _T:
-    """Run `op` until it succeeds. A transient fault is reported to `on_fault(cause, exc)` (count it, drop a broken
-    session), logged once, and backed off; the deadline counts from this operation's first fault, so nothing that
-    succeeds inside `op` (a reconnect) can restart it. A permanent fault is raised as it is; a transient one after
-    shutdown was requested raises `Abandoned` (whatever `op` did was rolled back or is harmless to repeat)."""
-    backoff = Backoff(deadline)
-    while True:
-        try:
-            return await op()
-        except Exception as exc:
-            cause = transient_cause(exc)
-            if cause is None:
-                raise
-            if stopping.is_set():
-                raise Abandoned(what, cause) from exc
-            on_fault(cause, exc)
-            log.warning("retry", what=what, cause=cause, attempt=backoff.attempt + 1,
-                        error=f"{type(exc).__name__}: {exc}")
-            await backoff.wait(what, exc)
+@dataclass(frozen=True, slots=True)
+class Retrier:
+    """The one retry path: `await retrier(what, op, event)` runs `op` until it succeeds.
+
+    A transient fault is reported to `on_fault(cause, exc)` (count it, drop a broken session), logged once as
+    `event`, and backed off; the deadline counts from this operation's first fault, so nothing that succeeds inside
+    `op` (a reconnect) can restart it. A permanent fault is raised as it is; a transient one after shutdown was
+    requested raises `Abandoned` (whatever `op` did was rolled back, or is harmless to repeat)."""
+
+    deadline: float
+    stopping: asyncio.Event
+    on_fault: Callable[[str, Exception], None]
+
+    async def __call__(self, what: str, op: Callable[[], Awaitable[_T]], event: str) -> _T:
+        backoff = Backoff(self.deadline)
+        while True:
+            try:
+                return await op()
+            except Exception as exc:
+                cause = transient_cause(exc)
+                if cause is None:
+                    raise
+                if self.stopping.is_set():
+                    raise Abandoned(what, cause) from exc
+                self.on_fault(cause, exc)
+                log.warning(event, what=what, cause=cause, attempt=backoff.attempt + 1,
+                            error=f"{type(exc).__name__}: {exc}")
+                await backoff.wait(what, exc)

@@ -15,7 +15,7 @@ import functools
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import structlog
@@ -32,17 +32,16 @@ from stock_ledger.health import HttpServer
 from stock_ledger.metrics import Metrics
 from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
-from stock_ledger.retry import Abandoned, retrying
+from stock_ledger.retry import Abandoned, Retrier
 from stock_ledger.sink import Batch, Ledger, Outcome, build_batch, session_name
 from stock_ledger.topics import refuse_compacted
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Sequence
 
     from stock_ledger.config import Settings
 
 log = structlog.get_logger(__name__)
-_T = TypeVar("_T")
 
 
 async def connect(settings: Settings) -> asyncpg.Connection:
@@ -89,6 +88,7 @@ class Worker:
         self._db_ok = False
         self._last_progress = time.monotonic()
         self._main: asyncio.Task[None] | None = None
+        self._retry = Retrier(settings.retry_deadline_seconds, self.stopping, self._on_fault)
 
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT (see `handle_exit`); 0 on a requested stop."""
@@ -116,12 +116,12 @@ class Worker:
         await http.start()
         monitor = PositionMonitor(s, self.metrics)
         try:
-            self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect, s))
+            self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect, s), "startup.retry")
             await check_schema(self._conn)
             self._db_ok = True
-            await self._retry("check the topic", functools.partial(refuse_compacted, s.kafka_bootstrap_servers,
-                                                                     s.topic))
-            await self._retry("join the Kafka cluster", self.consumer.start)
+            await self._retry("join the Kafka cluster", self.consumer.start, "startup.retry")
+            await self._retry("read the topic's configuration", functools.partial(
+                refuse_compacted, s.kafka_bootstrap_servers, s.topic), "startup.retry")
             monitor.start()
             await self._main_loop()
         except Abandoned as exc:
@@ -229,7 +229,7 @@ class Worker:
             self._last_progress = time.monotonic()
             self.claimer.check_fenced_partitions()
             if self.assignment.pending or self.claimer.recheck_due():
-                await self._retry("claiming partitions", self._claim)
+                await self._retry("claiming partitions", self._claim, "claim.retry")
                 self._update_ready()
                 continue
             fetched = await self._fetch()
@@ -251,7 +251,8 @@ class Worker:
         s = self.settings
         try:
             return await self._retry("fetching from Kafka", functools.partial(
-                self.consumer.getmany, timeout_ms=s.batch_max_wait_ms, max_records=s.batch_max_records))
+                self.consumer.getmany, timeout_ms=s.batch_max_wait_ms, max_records=s.batch_max_records),
+                "kafka.fetch_failed")
         except OffsetOutOfRangeError as exc:
             # Our position lies outside the log: a hole. The claim path examines it (record or halt).
             out = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else {}
@@ -283,7 +284,7 @@ class Worker:
             while current is not None:
                 try:
                     outcome, seconds = await self._retry("the batch transaction",
-                                                         functools.partial(self._apply_once, current))
+                                                         functools.partial(self._apply_once, current), "batch.retry")
                 except FencedError as exc:
                     await self.claimer.fenced(exc, self._conn)
                     current = current.without(set(exc.partitions))
@@ -358,9 +359,6 @@ class Worker:
                 self._conn.terminate()
                 self._conn = None
 
-    async def _retry(self, what: str, op: Callable[[], Awaitable[_T]]) -> _T:
-        return await retrying(op, what=what, deadline=self.settings.retry_deadline_seconds, stopping=self.stopping,
-                              on_fault=self._on_fault)
 
     def _tp(self, partition: int) -> TopicPartition:
         return TopicPartition(self.settings.topic, partition)
