@@ -1,0 +1,260 @@
+"""The consumer half of the guarantee, as plain state: which records may be applied, from which offset.
+
+Every promise the README makes about assignment, claims, revocation, fencing and holes is checked here on the pure
+`Assignment`, including every interleaving of the events (a property test drives random event sequences against
+a simple model of what the promises allow)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stock_ledger.assignment import Assignment
+
+
+@dataclass(frozen=True)
+class R:
+    offset: int
+
+
+def recs(*offsets: int) -> list[R]:
+    return [R(o) for o in offsets]
+
+
+def claimed(a: Assignment, starts: dict[int, tuple[int, int]]) -> bool:
+    return a.claimed(a.begin_claim(), starts)
+
+
+class TestAssignedPartitionsWaitForTheirClaim:
+    def test_nothing_is_accepted_before_the_claim(self) -> None:
+        """Records of an assigned but unclaimed partition (fetched from Kafka's committed offset) are never applied."""
+        a = Assignment()
+        a.assigned([0, 1])
+        assert a.pending == {0, 1}
+        assert a.accept({0: recs(5, 6)}).records == {}
+        assert a.readiness() == (False, "2 assigned partitions not yet claimed")
+
+    def test_after_the_claim_records_from_the_stored_offset_are_accepted(self) -> None:
+        """Claim: epoch 3, stored offset 10. Records 10.. are accepted, with that epoch."""
+        a = Assignment()
+        a.assigned([0])
+        assert claimed(a, {0: (3, 10)})
+        assert a.epochs == {0: 3}
+        assert a.accept({0: recs(10, 11)}).records == {0: recs(10, 11)}
+        assert a.readiness()[0]
+
+    def test_records_before_the_expected_offset_are_dropped(self) -> None:
+        """A fetch that overlaps what we already applied: only offsets >= expected are kept."""
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        accepted = a.accept({0: recs(10, 11, 12)})
+        a.committed({0: 12})
+        assert accepted.records == {0: recs(10, 11, 12)}
+        assert a.accept({0: recs(12, 13)}).records == {0: recs(12, 13)}
+
+
+class TestReseek:
+    def test_a_first_record_past_the_expected_offset_is_sought_again_once(self) -> None:
+        """A fetch that began before our seek: seek once more to the expected offset, apply nothing of it."""
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        first = a.accept({0: recs(20, 21)})
+        assert first.records == {}
+        assert first.reseek == {0: 10}
+
+    def test_after_the_reseek_a_later_first_offset_is_accepted(self) -> None:
+        """Transaction markers and aborted records leave offsets out; after one reseek the jump is accepted (holes
+        below the log start never get here: the consumer raises OFFSET_OUT_OF_RANGE for them)."""
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        a.accept({0: recs(20)})
+        assert a.accept({0: recs(12, 13)}).records == {0: recs(12, 13)}
+
+    def test_a_commit_allows_one_more_reseek(self) -> None:
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        a.accept({0: recs(11)})
+        a.accept({0: recs(11)})
+        a.committed({0: 12})
+        assert a.accept({0: recs(14)}).reseek == {0: 12}
+
+
+class TestStaleClaims:
+    def test_a_claim_that_a_rebalance_overtook_is_not_used(self) -> None:
+        """assign -> claim starts -> revoke + assign (a rebalance) -> the old claim finishes: it is ignored, the
+        partitions stay pending for the new claim, whose epoch supersedes it."""
+        a = Assignment()
+        a.assigned([0, 1])
+        ticket = a.begin_claim()
+        a.revoked([0, 1])
+        a.assigned([1, 2])
+        assert not a.claimed(ticket, {0: (1, 0), 1: (1, 0)})
+        assert a.epochs == {}
+        assert a.pending == {1, 2}
+
+    def test_a_revoke_during_the_claim_voids_it(self) -> None:
+        a = Assignment()
+        a.assigned([0])
+        ticket = a.begin_claim()
+        a.revoked([0])
+        assert not a.claimed(ticket, {0: (1, 0)})
+        assert a.accept({0: recs(0)}).records == {}
+
+    def test_partitions_refused_by_a_newer_generation_stay_pending(self) -> None:
+        """The database refused partition 1 (a newer generation's claim owns it): 0 is claimed, 1 waits."""
+        a = Assignment()
+        a.assigned([0, 1])
+        assert a.claimed(a.begin_claim(), {0: (2, 5)})
+        assert a.pending == {1}
+        assert a.accept({0: recs(5), 1: recs(5)}).records == {0: recs(5)}
+
+
+class TestRevokeAndFence:
+    def test_revoked_partitions_are_never_applied_again(self) -> None:
+        a = Assignment()
+        a.assigned([0, 1])
+        claimed(a, {0: (1, 0), 1: (1, 0)})
+        a.revoked([0, 1])
+        assert a.accept({0: recs(0), 1: recs(0)}).records == {}
+        assert a.epochs == {}
+
+    def test_a_fenced_partition_stops_at_once_and_the_others_go_on(self) -> None:
+        a = Assignment()
+        a.assigned([0, 1])
+        claimed(a, {0: (1, 0), 1: (1, 0)})
+        a.fenced([1], now=100.0)
+        assert a.accept({0: recs(0), 1: recs(0)}).records == {0: recs(0)}
+
+    def test_a_fence_that_kafka_never_resolves_is_overdue(self) -> None:
+        """Fenced at t=100 and still assigned to us at t=131 (limit 30 s): the worker must rejoin."""
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 0)})
+        a.fenced([0], now=100.0)
+        assert a.overdue_fenced([0], now=120.0, limit=30) is None
+        assert a.overdue_fenced([0], now=131.0, limit=30) == 0
+
+    def test_a_fence_resolved_by_a_new_claim_or_by_reassignment_is_forgotten(self) -> None:
+        a = Assignment()
+        a.assigned([0, 1])
+        claimed(a, {0: (1, 0), 1: (1, 0)})
+        a.fenced([0, 1], now=100.0)
+        a.assigned([0, 1])
+        claimed(a, {0: (3, 0), 1: (3, 0)})
+        assert a.overdue_fenced([0, 1], now=1000.0, limit=30) is None
+        a.fenced([1], now=1000.0)
+        assert a.overdue_fenced([0], now=2000.0, limit=30) is None  # 1 is no longer assigned to us
+
+
+class TestHoles:
+    def test_a_halted_partition_is_not_ready_and_says_why(self) -> None:
+        a = Assignment()
+        a.assigned([0, 1])
+        assert a.claimed(a.begin_claim(), {0: (1, 0)}, {1: "offsets 5-9 were deleted"})
+        ok, detail = a.readiness()
+        assert not ok
+        assert "partition 1: offsets 5-9 were deleted" in detail
+        assert a.accept({1: recs(10)}).records == {}
+
+    def test_reclaim_makes_a_partition_pending_again(self) -> None:
+        """A fetch out of range, or the periodic recheck of a halted partition: claim it again."""
+        a = Assignment()
+        a.assigned([0, 1])
+        a.claimed(a.begin_claim(), {0: (1, 0)}, {1: "hole"})
+        a.reclaim([0, 1])
+        assert a.pending == {0, 1}
+        assert a.halted == {}
+        assert a.accept({0: recs(0)}).records == {}
+        assert claimed(a, {0: (2, 0), 1: (2, 10)})
+        assert a.readiness()[0]
+
+
+# ---------------------------------------------------------------------------------------------- every interleaving
+
+EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("assign"), st.frozensets(st.integers(0, 3), min_size=1)),
+        st.tuples(st.just("revoke"), st.just(frozenset())),
+        st.tuples(st.just("begin_claim"), st.just(frozenset())),
+        st.tuples(st.just("finish_claim"), st.just(frozenset())),
+        st.tuples(st.just("fence"), st.frozensets(st.integers(0, 3))),
+        st.tuples(st.just("fetch_commit"), st.frozensets(st.integers(0, 3))),
+        st.tuples(st.just("reclaim"), st.frozensets(st.integers(0, 3))),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(EVENTS)
+def test_every_interleaving_keeps_the_promises(events: list[tuple[str, frozenset[int]]]) -> None:
+    """For any sequence of assign / revoke / claim started / claim finished / fenced / fetched+committed / reclaim:
+    1. records are accepted only for partitions that are assigned, claimed by a claim that started under the current
+       assignment, and neither fenced nor halted since;
+    2. they are accepted only from the expected offset on, and the expected offset never goes backwards under one
+       claim (no replay, no regression);
+    3. the epoch used is the one of the latest claim that was accepted."""
+    a = Assignment()
+    assigned: set[int] = set()
+    tickets = []
+    valid: dict[int, int] = {}   # partition -> epoch of the claim the model allows to write
+    expected: dict[int, int] = {}
+    epoch = 0
+    for kind, ps in events:
+        if kind == "assign":
+            a.revoked(assigned)
+            valid.clear()
+            assigned = set(ps)
+            a.assigned(assigned)
+        elif kind == "revoke":
+            a.revoked(assigned)
+            valid.clear()
+            assigned = set()
+        elif kind == "begin_claim":
+            tickets.append((a.begin_claim(), set(a.pending) & assigned))
+        elif kind == "finish_claim" and tickets:
+            ticket, wanted = tickets.pop(0)
+            epoch += 1
+            current = ticket.version == a.version
+            ok = a.claimed(ticket, {p: (epoch, 100 * epoch) for p in ticket.partitions})
+            assert ok == current
+            if current:
+                for p in wanted:
+                    valid[p] = epoch
+                    expected[p] = 100 * epoch
+        elif kind == "fence":
+            a.fenced(ps, now=0.0)
+            for p in ps:
+                valid.pop(p, None)
+        elif kind == "reclaim":
+            a.reclaim(ps & assigned)
+            for p in ps:
+                valid.pop(p, None)
+        elif kind == "fetch_commit":
+            fetched = {p: recs(expected.get(p, 0), expected.get(p, 0) + 1) for p in ps}
+            accepted = a.accept(fetched)
+            assert set(accepted.records) <= set(valid), (accepted.records, valid)
+            for p, rs in accepted.records.items():
+                assert rs[0].offset >= expected[p]
+                assert a.epochs[p] == valid[p]
+            committed = {p: rs[-1].offset + 1 for p, rs in accepted.records.items()}
+            a.committed(committed)
+            expected.update(committed)
+    assert set(a.epochs) <= set(valid) | set()
+    assert all(a.epochs[p] == valid[p] for p in a.epochs)
+
+
+@pytest.mark.parametrize("halted", [{}, {1: "hole"}])
+def test_readiness_reports_the_claimed_count(halted: dict[int, str]) -> None:
+    a = Assignment()
+    assert a.readiness() == (False, "not yet a member of the consumer group")
+    a.assigned([0, 1])
+    a.claimed(a.begin_claim(), {0: (1, 0), **({} if halted else {1: (1, 0)})}, halted)
+    assert a.readiness()[0] is (not halted)
