@@ -1,4 +1,4 @@
-"""`stock-ledger run | migrate | create-topic | produce | verify`.
+"""`stock-ledger run | migrate | create-topic | produce | verify | gaps`.
 
 Exit codes: 0 success; 1 failure (the message says what went wrong and what to do); 2 bad configuration or usage.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check the ledger against the topic; exit 0 only if all checks hold")
     verify.add_argument("--expect", type=int, default=None, help="expected number of rows in stock_movements")
     verify.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for lag 0")
+    gaps = sub.add_parser("gaps", help="holes in the log the ledger moved past (ledger_gaps)",
+                          description="Holes are offsets Kafka deleted (retention, delete-records) before they were "
+                          "applied. `verify` fails while one is unacknowledged. Acknowledge after reconciling the "
+                          "stock those records moved, as a role that may UPDATE ledger_gaps (the owner).")
+    gaps_sub = gaps.add_subparsers(dest="gaps_command", required=True)
+    gaps_list = gaps_sub.add_parser("list", help="list unacknowledged gaps (--all: acknowledged ones too)")
+    gaps_list.add_argument("--all", action="store_true", help="include acknowledged gaps")
+    gaps_list.add_argument("--json", action="store_true", help="one JSON object per line")
+    gaps_ack = gaps_sub.add_parser("ack", help="acknowledge a gap after reconciling stock by hand")
+    gaps_ack.add_argument("id", type=int)
+    gaps_ack.add_argument("--note", required=True, help="what was reconciled, by whom (kept with the gap)")
     return parser
 
 
@@ -107,6 +119,37 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+async def _gaps(settings: Settings, args: argparse.Namespace) -> int:
+    from stock_ledger.gaps import acknowledge, list_gaps  # noqa: PLC0415
+
+    conn = await asyncpg.connect(settings.require_database_url(), timeout=10)
+    try:
+        if args.gaps_command == "ack":
+            if not args.note.strip():
+                raise ConfigError("--note must say what was reconciled")
+            if not await acknowledge(conn, args.id, args.note):
+                print(f"gap {args.id}: no such unacknowledged gap (see `stock-ledger gaps list --all`)",
+                      file=sys.stderr)
+                return 1
+            print(f"gap {args.id}: acknowledged")
+            return 0
+        rows = await list_gaps(conn, include_acknowledged=args.all)
+    finally:
+        await conn.close()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r, default=str))
+    elif not rows:
+        print("no gaps" if args.all else "no unacknowledged gaps")
+    for r in [] if args.json else rows:
+        state = f"acknowledged {r['acknowledged_at']:%Y-%m-%d %H:%M} by {r['acknowledged_by']}: {r['note']}" \
+            if r["acknowledged_at"] else "UNACKNOWLEDGED"
+        detected = f"{r['detected_at']:%Y-%m-%d %H:%M:%S}"
+        print(f"#{r['id']} {r['group_id']} {r['topic']}/{r['partition']} offsets {r['first_offset']}-"
+              f"{r['last_offset']} ({r['records']} records, {r['reason']}, detected {detected}) {state}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -118,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "create-topic": lambda: _create_topic(settings, args),
             "produce": lambda: _produce(settings, args),
             "verify": lambda: _verify(settings, args),
+            "gaps": lambda: _gaps(settings, args),
         }
         return _runner()(handlers[args.command]())
     except ConfigError as exc:

@@ -79,6 +79,10 @@ class Metrics:
         self.drift = Gauge(_P + "partition_offset_drift_messages",
                            "PostgreSQL offset minus Kafka's committed offset; negative means the seek path is broken.",
                            part, registry=registry)
+        self.gap = Gauge(_P + "partition_gap_messages",
+                         "Records between the PostgreSQL offset and the log that can never be applied: below the log "
+                         "start (retention, deleted records) or past its end (topic recreated). Non-zero: a hole.",
+                         part, registry=registry)
         self.assigned_partitions = Gauge(_P + "assigned_partitions", "Partitions claimed by this worker.",
                                          registry=registry)
         self.ready = Gauge(_P + "ready", "1 when connected and every assigned partition is claimed.",

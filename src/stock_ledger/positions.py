@@ -1,8 +1,9 @@
 """Timers that refresh position and invariant metrics from Kafka and PostgreSQL, independent of traffic.
 
-Positions (every STOCK_LEDGER_POSITION_REFRESH_SECONDS): log end offsets (ListOffsets), the group's committed
-offsets (OffsetFetch) and the stored offsets; so a stalled worker still shows its lag growing. Each pod exports
-every partition of the topic; aggregate with max by (topic, partition).
+Positions (every STOCK_LEDGER_POSITION_REFRESH_SECONDS): log start and end offsets (ListOffsets), the group's
+committed offsets (OffsetFetch) and the stored offsets; so a stalled worker still shows its lag growing, and a hole
+(stored offset outside the log) shows as `stock_ledger_partition_gap_messages` whichever worker holds it.
+Each pod exports every partition of the topic; aggregate with max by (topic, partition).
 
 Invariants (every STOCK_LEDGER_INVARIANT_REFRESH_SECONDS, default 60 s): rows vs distinct coordinates and
 stock_levels vs the sum of movements. Both scan stock_movements once (an index-only scan for the first, a
@@ -21,6 +22,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger.gaps import find_gap
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -102,6 +104,7 @@ class PositionMonitor:
             self._partitions = await partitions_of(s.kafka_bootstrap_servers, s.topic)
         tps = [TopicPartition(s.topic, p) for p in self._partitions]
         ends = await self._kafka.end_offsets(tps) if tps else {}
+        starts = await self._kafka.beginning_offsets(tps) if tps else {}
         committed = await self._admin.list_consumer_group_offsets(s.group_id)
         pool = await self._db()
         stored = {r["partition"]: r["next_offset"] for r in await pool.fetch(_STORED, s.group_id, s.topic)}
@@ -112,6 +115,8 @@ class PositionMonitor:
             self._m.log_end_offset.labels(*labels).set(end)
             self._m.db_offset.labels(*labels).set(db if db is not None else 0)
             self._m.lag.labels(*labels).set(end - (db or 0))
+            gap = find_gap(tp.partition, db, int(starts[tp]), end) if db is not None else None
+            self._m.gap.labels(*labels).set(gap.size if gap else 0)
             meta = committed.get(tp)
             if meta is not None and meta.offset >= 0:
                 self._m.kafka_committed_offset.labels(*labels).set(meta.offset)

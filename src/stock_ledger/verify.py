@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from stock_ledger.errors import StockLedgerError
+from stock_ledger.gaps import find_gap, unacknowledged
 from stock_ledger.progress import Progress
 from stock_ledger.topics import partitions_of
 
@@ -47,8 +48,10 @@ class Report:
         return "\n".join(lines)
 
 
-async def read_topic(settings: Settings, show_progress: bool) -> tuple[dict[int, list[int]], dict[int, int]]:
-    """Every committed record's offset per partition, and the log start offsets."""
+async def read_topic(
+    settings: Settings, show_progress: bool,
+) -> tuple[dict[int, list[int]], dict[int, int], dict[int, int]]:
+    """Every committed record's offset per partition, and the log start and end offsets."""
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False,
                                 isolation_level="read_committed", max_partition_fetch_bytes=4 * 1024 * 1024)
     await consumer.start()
@@ -77,7 +80,7 @@ async def read_topic(settings: Settings, show_progress: bool) -> tuple[dict[int,
                     remaining.discard(tp)
         if progress:
             progress.finish()
-        return offsets, {tp.partition: starts[tp] for tp in tps}
+        return offsets, {tp.partition: starts[tp] for tp in tps}, {tp.partition: ends[tp] for tp in tps}
     finally:
         await consumer.stop()
 
@@ -130,7 +133,7 @@ async def wait_for_drain(settings: Settings, seconds: float) -> bool:
 
 async def verify(settings: Settings, expect: int | None = None, show_progress: bool = True) -> Report:
     report = Report()
-    topic_offsets, log_starts = await read_topic(settings, show_progress)
+    topic_offsets, log_starts, log_ends = await read_topic(settings, show_progress)
     committed = await _committed(settings)
     conn = await asyncpg.connect(settings.require_database_url())
     try:
@@ -149,6 +152,7 @@ async def verify(settings: Settings, expect: int | None = None, show_progress: b
             stored = {r[0]: r[1] for r in await conn.fetch(
                 "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
                 settings.group_id, settings.topic)}
+            open_gaps = await unacknowledged(conn, settings.group_id, settings.topic)
     finally:
         await conn.close()
 
@@ -182,6 +186,13 @@ async def verify(settings: Settings, expect: int | None = None, show_progress: b
               if o and (stored.get(p) or 0) < max(o) + 1}
     report.add("stored offsets cover the log", not behind, "all partitions drained" if not behind else
                "; ".join(f"p{p}: {d}" for p, d in sorted(behind.items())[:6]))
+    holes = [g for p, o in stored.items() if o is not None and p in log_starts
+             if (g := find_gap(p, o, log_starts[p], log_ends[p])) is not None]
+    report.add("stored offsets inside the log (no hole)", not holes, "none" if not holes else
+               "; ".join(f"p{g.partition}: {g.describe()}" for g in holes[:6]))
+    report.add("no unacknowledged gap in ledger_gaps", not open_gaps, "none" if not open_gaps else "; ".join(
+        f"#{g['id']} p{g['partition']} offsets {g['first_offset']}-{g['last_offset']} ({g['reason']})"
+        for g in open_gaps[:6]) + ": reconcile, then `stock-ledger gaps ack ID --note ...`")
     negative = {p: (stored.get(p) or 0) - c for p, c in committed.items() if (stored.get(p) or 0) < c}
     report.add("drift (stored - kafka committed) >= 0", not negative,
                f"{len(committed)} partitions with a Kafka commit" if not negative else

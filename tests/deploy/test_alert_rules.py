@@ -36,6 +36,7 @@ CONTRACT_GAUGES = frozenset(
         "stock_ledger_partition_kafka_committed_offset",
         "stock_ledger_partition_lag_messages",
         "stock_ledger_partition_offset_drift_messages",
+        "stock_ledger_partition_gap_messages",
         "stock_ledger_assigned_partitions",
         "stock_ledger_ready",
         "stock_ledger_last_commit_timestamp_seconds",
