@@ -84,7 +84,8 @@ class Unblock:
         try:
             side = await self.connect()
             try:
-                pids = [r[0] for r in await side.fetch(_TERMINATE_BLOCKERS, waiting_pid, self.application_name)]
+                zombies = [r[0] for r in await side.fetch(_BLOCKERS, waiting_pid, self.application_name)]
+                pids = [r[0] for r in await side.fetch(_TERMINATE, zombies)] if zombies else []
             finally:
                 await side.close(timeout=2)
         except Exception as exc:
@@ -263,10 +264,12 @@ VALUES ($1, $2, $3, $4, $5, $6) RETURNING id
 """
 
 # Sessions of this service and group that block our claim: zombies by definition, since the claim is the owner's.
-_TERMINATE_BLOCKERS: Final = """
+# Two statements on purpose: in one, PostgreSQL may call pg_terminate_backend before the filters have run.
+_BLOCKERS: Final = """
 SELECT pid FROM pg_stat_activity
- WHERE pid = ANY(pg_blocking_pids($1)) AND application_name = $2 AND pg_terminate_backend(pid)
+ WHERE pid = ANY(pg_blocking_pids($1)) AND application_name = $2 AND datname = current_database()
 """
+_TERMINATE: Final = "SELECT pid FROM unnest($1::int[]) AS pid WHERE pg_terminate_backend(pid)"
 
 _CURRENT: Final = """
 SELECT partition, epoch, next_offset FROM consumer_offsets

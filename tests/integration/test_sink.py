@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -10,8 +11,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from stock_ledger.errors import CoordinateConflictError, FencedError, OffsetRegressionError
+from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerIntegrityError, OffsetRegressionError
 from stock_ledger.faults import Faults
+from stock_ledger.gaps import find_gap
 from stock_ledger.sink import Ledger, Record, build_batch
 from tests.helpers import Env, movement
 
@@ -128,3 +130,75 @@ async def test_the_unique_backstop_turns_a_regression_into_a_loud_failure(
         await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 10, 15)}, {0: c.epoch}))
     assert await _rows(database) == 11
     assert await conn.fetchval("SELECT next_offset FROM consumer_offsets") == 10
+
+
+async def test_a_late_claim_of_an_older_generation_takes_nothing(conn: asyncpg.Connection, database: Env) -> None:
+    """Worker B claims partition 0 under generation 8 and applies a batch. A claim of worker A under generation 7
+    (it started before the rebalance and reached the database after it) takes nothing: B keeps its epoch and its
+    next batch commits. A claim of a newer generation, or a forced one, still takes the partition."""
+    ledger_a, ledger_b = Ledger("g", Faults(None)), Ledger("g", Faults(None))
+    (b,) = await ledger_b.claim(conn, TOPIC, [0], 8, "member-b")
+    await ledger_b.apply(conn, build_batch(TOPIC, {0: records(0, 0, 5)}, {0: b.epoch}))
+    assert await ledger_a.claim(conn, TOPIC, [0], 7, "member-a") == []
+    outcome = await ledger_b.apply(conn, build_batch(TOPIC, {0: records(0, 5, 5)}, {0: b.epoch}))
+    assert outcome.applied == 5
+    assert tuple(await conn.fetchrow("SELECT epoch, generation, member_id FROM consumer_offsets")) == (
+        b.epoch, 8, "member-b")
+    (newer,) = await ledger_a.claim(conn, TOPIC, [0], 9, "member-a")
+    assert (newer.epoch, newer.next_offset) == (b.epoch + 1, 10)
+    (forced,) = await ledger_b.claim(conn, TOPIC, [0], 1, "member-b", force=True)
+    assert forced.epoch == b.epoch + 2
+
+
+async def test_a_second_consumer_group_is_refused_loudly(conn: asyncpg.Connection, database: Env) -> None:
+    """The unique constraints span the whole ledger, so one database serves one group: a claim by another group
+    raises LedgerIntegrityError naming both groups, and changes nothing."""
+    await Ledger("ledger-eu", Faults(None)).claim(conn, TOPIC, [0], None, None)
+    with pytest.raises(LedgerIntegrityError, match="'ledger-eu', not 'ledger-us'"):
+        await Ledger("ledger-us", Faults(None)).claim(conn, TOPIC, [0, 1], None, None)
+    assert await conn.fetchval("SELECT count(*) FROM consumer_offsets") == 1
+
+
+async def test_moving_past_a_hole_records_it_in_the_same_transaction(conn: asyncpg.Connection, database: Env) -> None:
+    """Offsets 10-19 were deleted before they were applied: skip_gap moves the stored offset to 20 and writes
+    the range to ledger_gaps, both or neither; with a stale epoch or a moved offset it does nothing."""
+    ledger = Ledger("g", Faults(None))
+    (c,) = await ledger.claim(conn, TOPIC, [0], None, None)
+    await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: c.epoch}))
+    hole = find_gap(0, 10, 20, 30)
+    assert hole is not None
+    assert hole.skippable
+    assert await ledger.skip_gap(conn, TOPIC, hole, c.epoch + 1) is None  # not our epoch: nothing
+    gap_id = await ledger.skip_gap(conn, TOPIC, hole, c.epoch)
+    assert gap_id is not None
+    assert await ledger.skip_gap(conn, TOPIC, hole, c.epoch) is None  # already moved: nothing twice
+    assert await conn.fetchval("SELECT next_offset FROM consumer_offsets") == 20
+    row = await conn.fetchrow("SELECT first_offset, last_offset, reason, acknowledged_at FROM ledger_gaps")
+    assert tuple(row) == (10, 19, "below_log_start", None)
+    await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 20, 5)}, {0: c.epoch}))
+    assert await _rows(database) == 15
+
+
+async def test_batches_and_claims_on_the_same_partitions_never_deadlock(database: Env) -> None:
+    """Batches over partitions 0-7 and claims of the same partitions run concurrently on two sessions, 60 times:
+    both lock offset rows in partition order, so PostgreSQL never has to break a deadlock (fenced batches are
+    expected; a DeadlockDetectedError is not)."""
+    a, b = await asyncpg.connect(database.worker_url), await asyncpg.connect(database.worker_url)
+    ledger = Ledger("g", Faults(None))
+    parts = list(range(8))
+    try:
+        next_offset = 0
+        for round_ in range(60):
+            claims = {c.partition: c.epoch for c in await ledger.claim(a, TOPIC, parts, None, None)}
+            batch = build_batch(TOPIC, {p: records(p, next_offset, 3) for p in reversed(parts)}, claims)
+            results = await asyncio.gather(
+                ledger.apply(a, batch),
+                ledger.claim(b, TOPIC, list(reversed(parts)) if round_ % 2 else parts, None, None),
+                return_exceptions=True,
+            )
+            assert not any(isinstance(r, asyncpg.DeadlockDetectedError) for r in results), results
+            if not isinstance(results[0], BaseException):
+                next_offset += 3
+    finally:
+        await a.close()
+        await b.close()

@@ -1,0 +1,222 @@
+"""Conditions of the log and of the group that no record shows: holes, compaction, zombies frozen inside COPY,
+a second group. Each on the real broker and database, through `stock-ledger run`, `verify` and `gaps` only."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import asyncpg
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.records_to_delete import RecordsToDelete
+
+from stock_ledger.produce import produce
+from tests.helpers import (
+    Env,
+    Services,
+    WorkerPool,
+    assert_exact,
+    end_offsets,
+    eventually,
+    process_state,
+    wait_drained,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
+HOLED = range(6)  # the partitions whose unapplied records are deleted
+
+
+async def delete_before(bootstrap: str, topic: str, before: dict[int, int]) -> None:
+    """Move each partition's log start forward, as retention or kafka-delete-records does."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_records({TopicPartition(topic, p): RecordsToDelete(o) for p, o in before.items()})
+    finally:
+        await admin.close()
+
+
+def cli(workers: WorkerPool, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = workers.env(DATABASE_URL=url, STOCK_LEDGER_LOG_FORMAT="json")
+    return subprocess.run([sys.executable, "-m", "stock_ledger", *args], env=env, capture_output=True, text=True,
+                          timeout=180, check=False)
+
+
+async def stored_offsets(db: Env, group: str, topic: str) -> dict[int, int]:
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        return {r[0]: r[1] for r in await conn.fetch(
+            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+    finally:
+        await conn.close()
+
+
+async def drained_then_holed(services: Services, database: Env, topic: str, workers: WorkerPool) -> dict[int, int]:
+    """2,400 movements applied, the worker stopped, 2,400 more produced, then the first 5 unapplied records of
+    partitions 0-5 deleted. Returns the stored offset (= first missing offset) of each holed partition."""
+    await produce(services.kafka, topic, 2_400, seed=31, show_progress=False)
+    first = workers.start()
+    await wait_drained(services, database, topic, workers.group, 120, workers)
+    first.signal(signal.SIGTERM)
+    assert first.wait(30) == 0
+    stored = await stored_offsets(database, workers.group, topic)
+    await produce(services.kafka, topic, 2_400, seed=32, show_progress=False)
+    ends = await end_offsets(services.kafka, topic)
+    assert all(ends[p] > stored[p] + 5 for p in HOLED), (ends, stored)
+    await delete_before(services.kafka, topic, {p: stored[p] + 5 for p in HOLED})
+    return {p: stored[p] for p in HOLED}
+
+
+async def test_a_retention_hole_halts_its_partition_and_says_so_everywhere(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """STOCK_LEDGER_ON_GAP=halt (the default): records the ledger never applied were deleted from partitions 0-5.
+    The worker applies every other partition, keeps 0-5 paused at their stored offset, and says so: /readyz is 503
+    naming the hole, stock_ledger_partition_gap_messages is 5 for each, an error log names the range and what to do,
+    and `stock-ledger verify` fails naming the hole (it never prints a clean report over lost movements)."""
+    holes = await drained_then_holed(services, database, topic, workers)
+    worker = workers.start()
+
+    async def others_drained() -> bool:
+        stored, ends = await stored_offsets(database, workers.group, topic), await end_offsets(services.kafka, topic)
+        return all(stored.get(p) == e for p, e in ends.items() if p not in holes)
+
+    await eventually(others_drained, 120, "the partitions without a hole to drain", workers)
+    await eventually(lambda: all(worker.metric("stock_ledger_partition_gap_messages", {"partition": str(p)}) == 5
+                                 for p in holes), 30, "the gap gauge of each holed partition", workers)
+    status, body = worker.get("/readyz")
+    assert status == 503
+    assert "halted on a hole in the log" in body
+    assert f"partition 0: offsets {holes[0]}-{holes[0] + 4} (5 records) were deleted" in body
+    assert '"gap.halted"' in worker.log_text()
+    assert await stored_offsets(database, workers.group, topic) | holes == await stored_offsets(
+        database, workers.group, topic)  # nothing moved past a hole
+    done = cli(workers, database.owner_url, "verify")
+    assert done.returncode == 1, done.stdout
+    assert re.search(r"stored offsets inside the log \(no hole\) +FAIL +p0: offsets", done.stdout), done.stdout
+    assert worker.alive()
+    workers.assert_no_tracebacks()
+
+
+async def test_a_recorded_hole_is_moved_past_in_one_transaction_and_verify_fails_until_acknowledged(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """STOCK_LEDGER_ON_GAP=record: the worker writes each hole to ledger_gaps with its exact range, moves past it and
+    drains everything still in the log, exactly once. `verify` exits 1 while a gap is unacknowledged;
+    `stock-ledger gaps list` shows them; after `gaps ack ID --note` for each, `verify` exits 0."""
+    holes = await drained_then_holed(services, database, topic, workers)
+    workers.start(STOCK_LEDGER_ON_GAP="record")
+    await wait_drained(services, database, topic, workers.group, 120, workers)
+    # Every record still in the log in exactly one table; of the 4,800 produced, only the 30 deleted are missing.
+    state = await assert_exact(services, database, topic, workers.group, rows=4_800 - 5 * len(holes), pool=workers)
+    conn = await asyncpg.connect(database.owner_url)
+    try:
+        gaps = {r["partition"]: (r["id"], r["first_offset"], r["last_offset"], r["reason"]) for r in await conn.fetch(
+            "SELECT * FROM ledger_gaps WHERE group_id = $1 AND topic = $2", workers.group, topic)}
+    finally:
+        await conn.close()
+    assert {p: g[1:] for p, g in gaps.items()} == {p: (o, o + 4, "below_log_start") for p, o in holes.items()}
+
+    done = cli(workers, database.owner_url, "verify")
+    assert done.returncode == 1
+    assert re.search(r"no unacknowledged gap in ledger_gaps +FAIL", done.stdout), done.stdout
+    listed = cli(workers, database.owner_url, "gaps", "list")
+    assert listed.returncode == 0
+    assert listed.stdout.count("UNACKNOWLEDGED") == len(holes)
+    for gap_id, *_ in gaps.values():
+        acked = cli(workers, database.owner_url, "gaps", "ack", str(gap_id), "--note", "counted bins 3-7 by hand")
+        assert acked.returncode == 0, acked.stderr
+    assert cli(workers, database.owner_url, "gaps", "ack", str(gap_id), "--note", "again").returncode == 1
+    done = cli(workers, database.owner_url, "verify")
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.strip().splitlines()[-1] == f"{state.rows}|{state.rows}"
+    workers.assert_no_tracebacks()
+
+
+async def test_a_hole_that_opens_while_the_worker_runs_is_caught_by_the_fetch(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """The worker holds its partitions (a long session) and is frozen; meanwhile records are produced and the first
+    unapplied ones of partitions 0-5 are deleted. Thawed, its fetch falls below the log start: the broker's
+    OFFSET_OUT_OF_RANGE never resets the position silently; the partitions are claimed again and halted."""
+    await produce(services.kafka, topic, 2_400, seed=41, show_progress=False)
+    worker = workers.start(STOCK_LEDGER_SESSION_TIMEOUT_MS="45000", STOCK_LEDGER_REBALANCE_TIMEOUT_MS="60000")
+    await wait_drained(services, database, topic, workers.group, 120, workers)
+    stored = await stored_offsets(database, workers.group, topic)
+    worker.signal(signal.SIGSTOP)
+    try:
+        await produce(services.kafka, topic, 2_400, seed=42, show_progress=False)
+        await delete_before(services.kafka, topic, {p: stored[p] + 5 for p in HOLED})
+    finally:
+        worker.signal(signal.SIGCONT)
+    await eventually(lambda: '"gap.halted"' in worker.log_text(), 60, "the hole to be found", workers)
+    assert '"claim.reexamine"' in worker.log_text()
+    after = await stored_offsets(database, workers.group, topic)
+    assert {p: after[p] for p in HOLED} == {p: stored[p] for p in HOLED}
+    workers.assert_no_tracebacks()
+
+
+async def test_a_compacted_topic_is_refused_at_start(services: Services, database: Env, workers: WorkerPool) -> None:
+    """Compaction deletes a SKU's movements before they are applied: the worker exits 1 and says what to change."""
+    name = f"warehouse.movements.compacted-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, 3, 1, topic_configs={"cleanup.policy": "compact"})])
+    finally:
+        await admin.close()
+    worker = workers.start(STOCK_LEDGER_TOPIC=name)
+    assert worker.wait(60) == 1
+    assert "cleanup.policy=compact" in worker.log_text()
+    assert "cleanup.policy=delete" in worker.log_text()
+
+
+async def test_a_worker_frozen_inside_copy_cannot_stall_the_new_owner(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """Worker A freezes (SIGSTOP) in the middle of its movements' COPY: the server waits for data and ignores
+    statement_timeout and idle_in_transaction_session_timeout, so A's offset row locks would be held forever.
+    Worker B is assigned A's partitions after A's session expires; its claim waits on those locks, terminates A's
+    session (same service, same group: a zombie), and B drains the backlog within seconds, exactly once."""
+    await produce(services.kafka, topic, 30_000, seed=51, show_progress=False)
+    fast = {"STOCK_LEDGER_SESSION_TIMEOUT_MS": "4000", "STOCK_LEDGER_LOCK_TIMEOUT_MS": "2000",
+            "STOCK_LEDGER_BATCH_MAX_RECORDS": "2000"}
+    a = workers.start(**fast, STOCK_LEDGER_FAULT="during_copy@3:stop")
+    await eventually(lambda: process_state(a.pid) == "T", 60, "worker A to freeze inside COPY", workers)
+    conn = await asyncpg.connect(database.owner_url)
+    try:
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'COPY%' "
+            "AND state = 'active' AND wait_event = 'ClientRead'")
+    finally:
+        await conn.close()
+    assert waiting == 1, "A's backend is not waiting for COPY data"
+    started = time.monotonic()
+    b = workers.start(**fast)
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    assert time.monotonic() - started < 45, "B was held up by the frozen zombie"
+    assert '"claim.zombies_terminated"' in b.log_text()
+    a.kill()
+    await assert_exact(services, database, topic, workers.group, rows=30_000, pool=workers)
+
+
+async def test_a_second_consumer_group_on_the_same_database_is_refused(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """One database holds one group's ledger (movement_id and coordinates are unique across it): a worker of
+    another group exits 1 naming both groups, and writes nothing."""
+    await produce(services.kafka, topic, 500, seed=61, show_progress=False)
+    workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    other = workers.start(STOCK_LEDGER_GROUP_ID="stock-ledger-other")
+    assert other.wait(60) == 1
+    assert f"holds the ledger of consumer group '{workers.group}', not 'stock-ledger-other'" in other.log_text()
+    await assert_exact(services, database, topic, workers.group, rows=500, pool=workers)
+    await asyncio.sleep(0)
