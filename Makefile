@@ -8,7 +8,7 @@ OWNER_URL = $(or $(DATABASE_URL),$(shell scripts/postgres.sh url))
 WORKER_URL = $(or $(DATABASE_URL),$(shell scripts/postgres.sh worker-url))
 PYTEST_ARGS ?=
 
-.PHONY: venv services migrate topic run test lint typecheck tools bench clean-state
+.PHONY: venv services migrate topic run test lint tools bench
 
 venv: $(VENV)/.installed
 

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -344,9 +344,8 @@ async def assert_atomic(db: Env, topic: str, group: str) -> tuple[int, int]:
     return rows, sum(stored.values())
 
 
-async def eventually(check: object, timeout: float, what: str, pool: WorkerPool | None = None) -> None:
+async def eventually(check: Callable[[], object], timeout: float, what: str, pool: WorkerPool | None = None) -> None:
     """Poll `check()` (sync or async, truthy = done) every 0.2 s until it holds or `timeout` passes."""
-    assert callable(check)
     deadline = time.monotonic() + timeout
     while True:
         result = check()

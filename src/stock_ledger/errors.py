@@ -1,6 +1,6 @@
 """The exceptions of stock-ledger.
 
-    StockLedgerError                 base; `retriable` says whether retrying the same batch can succeed
+    StockLedgerError                 base: fatal for the process (exit 1, one log line saying what to do)
     ├── ConfigError                  bad configuration: exit code 2, one line naming the variable
     ├── FencedError                  another worker claimed the partition since we did: stop writing it
     ├── LedgerIntegrityError         the ledger refused a write that would break it: fatal, loud
@@ -8,14 +8,15 @@
     │   └── CoordinateConflictError  the unique constraint on Kafka coordinates fired (the backstop)
     └── RetryDeadlineExceeded        a transient fault lasted longer than STOCK_LEDGER_RETRY_DEADLINE_SECONDS
 
-Transient database and broker faults are the libraries' own exceptions; `sink.is_transient` classifies them.
+None of these is retried. Transient database and broker faults are the libraries' own exceptions;
+`retry.transient_cause` classifies them and `retry.Retrier` is the one path that retries them.
 """
 
 from __future__ import annotations
 
 
 class StockLedgerError(Exception):
-    retriable = False
+    pass
 
 
 class ConfigError(StockLedgerError):

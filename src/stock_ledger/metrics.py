@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import platform
 import threading
+import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from prometheus_client.utils import floatToGoString
 from stock_ledger.domain import RejectCode
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
 _P = "stock_ledger_"
 _RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race")
@@ -128,3 +129,15 @@ class Metrics:
             self.rejected.labels(code.value)
         for cause in _RETRY_CAUSES:
             self.retries.labels(cause)
+
+    def batch_committed(self, applied: int, rejected: Mapping[str, int], records: int, seconds: float,
+                        timestamps_ms: Sequence[int]) -> None:
+        self.applied.inc(applied)
+        for code, n in rejected.items():
+            self.rejected.labels(code).inc(n)
+        self.batches.inc()
+        self.batch_duration.observe(seconds)
+        self.batch_records.observe(records)
+        now = time.time()
+        self.last_commit.set(now)
+        self.end_to_end.observe_many([max(0.0, now - ts / 1000) for ts in timestamps_ms if ts >= 0])

@@ -26,6 +26,8 @@ from stock_ledger.gaps import find_gap
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from stock_ledger.config import Settings
     from stock_ledger.metrics import Metrics
 
@@ -70,8 +72,7 @@ class PositionMonitor:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(closer(), 5)
 
-    async def _every(self, seconds: float, refresh: object) -> None:
-        assert callable(refresh)  # noqa: S101
+    async def _every(self, seconds: float, refresh: Callable[[], Awaitable[None]]) -> None:
         while True:
             try:
                 await asyncio.wait_for(refresh(), timeout=max(10.0, seconds * 2))

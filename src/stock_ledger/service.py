@@ -308,17 +308,9 @@ class Worker:
         if outcome.already_applied:
             log.info("batch.already_applied", detail="an earlier attempt committed; its reply was lost")
         self.assignment.committed({x.partition: x.next_offset for x in batch.slices})
-        m = self.metrics
-        m.applied.inc(outcome.applied)
         for code, n in outcome.rejected.items():
-            m.rejected.labels(code).inc(n)
             log.warning("batch.rejected", reason=code, records=n)
-        m.batches.inc()
-        m.batch_duration.observe(seconds)
-        m.batch_records.observe(batch.size)
-        now = time.time()
-        m.last_commit.set(now)
-        m.end_to_end.observe_many([max(0.0, now - ts / 1000) for ts in batch.timestamps_ms if ts >= 0])
+        self.metrics.batch_committed(outcome.applied, outcome.rejected, batch.size, seconds, batch.timestamps_ms)
         log.debug("batch.committed", applied=outcome.applied, rejected=sum(outcome.rejected.values()),
                   seconds=round(seconds, 4))
 

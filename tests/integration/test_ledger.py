@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import uuid
@@ -15,6 +16,7 @@ import pytest
 from stock_ledger.produce import produce
 from tests.helpers import Env, Services, WorkerPool, assert_exact, movement, send_raw, wait_drained
 
+MIGRATIONS = len(list((Path(__file__).resolve().parents[2] / "migrations").glob("*.sql")))
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 
@@ -26,13 +28,13 @@ async def test_drains_a_backlog_exactly_once_and_a_restart_applies_nothing_twice
     await produce(services.kafka, topic, 20_000, show_progress=False)
     w = workers.start()
     await wait_drained(services, database, topic, workers.group, 60, workers)
-    w.signal(__import__("signal").SIGTERM)
+    w.signal(signal.SIGTERM)
     assert w.wait(15) == 0
     before = await assert_exact(services, database, topic, workers.group, rows=20_000, pool=workers)
 
     again = workers.start()
     await asyncio.sleep(6)  # joined, claimed, fetched nothing new
-    again.signal(__import__("signal").SIGTERM)
+    again.signal(signal.SIGTERM)
     assert again.wait(15) == 0
     after = await assert_exact(services, database, topic, workers.group, rows=20_000, pool=workers)
     assert after.rows == before.rows
@@ -147,8 +149,7 @@ async def test_migrate_is_idempotent_and_safe_when_run_concurrently(services: Se
         assert [p.returncode for p in procs] == [0, 0, 0], outputs
         conn = await asyncpg.connect(services.url_for(name))
         try:
-            migrations = len(list((Path(__file__).resolve().parents[2] / "migrations").glob("*.sql")))
-            assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == migrations
+            assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == MIGRATIONS
         finally:
             await conn.close()
         assert sum("already up to date" in o for o in outputs) == 2

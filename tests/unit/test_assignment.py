@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stock_ledger.assignment import Assignment
+from stock_ledger.assignment import Assignment, ClaimTicket
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,62 @@ EVENTS = st.lists(
 )
 
 
+class Model:
+    """What the promises allow, kept by hand beside the real Assignment, event by event."""
+
+    def __init__(self) -> None:
+        self.a = Assignment()
+        self.assigned: set[int] = set()
+        self.tickets: list[ClaimTicket] = []
+        self.valid: dict[int, int] = {}     # partition -> epoch of the claim allowed to write it
+        self.expected: dict[int, int] = {}  # partition -> next offset it may write
+        self.epoch = 0
+
+    def assign(self, ps: frozenset[int]) -> None:
+        self.revoke(ps)
+        self.assigned = set(ps)
+        self.a.assigned(self.assigned)
+
+    def revoke(self, _ps: frozenset[int]) -> None:
+        self.a.revoked(self.assigned)
+        self.valid.clear()
+        self.assigned = set()
+
+    def begin_claim(self, _ps: frozenset[int]) -> None:
+        self.tickets.append(self.a.begin_claim())
+
+    def finish_claim(self, _ps: frozenset[int]) -> None:
+        if not self.tickets:
+            return
+        ticket = self.tickets.pop(0)
+        self.epoch += 1
+        current = ticket.version == self.a.version
+        assert self.a.claimed(ticket, dict.fromkeys(ticket.partitions, (self.epoch, 100 * self.epoch))) == current
+        if current:
+            for p in set(ticket.partitions) & self.assigned:
+                self.valid[p], self.expected[p] = self.epoch, 100 * self.epoch
+
+    def fence(self, ps: frozenset[int]) -> None:
+        self.a.fenced(ps, now=0.0)
+        for p in ps:
+            self.valid.pop(p, None)
+
+    def reclaim(self, ps: frozenset[int]) -> None:
+        self.a.reclaim(ps & self.assigned)
+        for p in ps:
+            self.valid.pop(p, None)
+
+    def fetch_commit(self, ps: frozenset[int]) -> None:
+        accepted = self.a.accept({p: recs(self.expected.get(p, 0), self.expected.get(p, 0) + 1) for p in ps})
+        assert set(accepted.records) <= set(self.valid), (accepted.records, self.valid)
+        for p, rs in accepted.records.items():
+            assert rs[0].offset >= self.expected[p]
+            assert self.a.epochs[p] == self.valid[p]
+        committed = {p: rs[-1].offset + 1 for p, rs in accepted.records.items()}
+        self.a.committed(committed)
+        self.expected.update(committed)
+
+
 @settings(max_examples=400, deadline=None)
 @given(EVENTS)
 def test_every_interleaving_keeps_the_promises(events: list[tuple[str, frozenset[int]]]) -> None:
@@ -201,54 +257,10 @@ def test_every_interleaving_keeps_the_promises(events: list[tuple[str, frozenset
     2. they are accepted only from the expected offset on, and the expected offset never goes backwards under one
        claim (no replay, no regression);
     3. the epoch used is the one of the latest claim that was accepted."""
-    a = Assignment()
-    assigned: set[int] = set()
-    tickets = []
-    valid: dict[int, int] = {}   # partition -> epoch of the claim the model allows to write
-    expected: dict[int, int] = {}
-    epoch = 0
+    model = Model()
     for kind, ps in events:
-        if kind == "assign":
-            a.revoked(assigned)
-            valid.clear()
-            assigned = set(ps)
-            a.assigned(assigned)
-        elif kind == "revoke":
-            a.revoked(assigned)
-            valid.clear()
-            assigned = set()
-        elif kind == "begin_claim":
-            tickets.append((a.begin_claim(), set(a.pending) & assigned))
-        elif kind == "finish_claim" and tickets:
-            ticket, wanted = tickets.pop(0)
-            epoch += 1
-            current = ticket.version == a.version
-            ok = a.claimed(ticket, {p: (epoch, 100 * epoch) for p in ticket.partitions})
-            assert ok == current
-            if current:
-                for p in wanted:
-                    valid[p] = epoch
-                    expected[p] = 100 * epoch
-        elif kind == "fence":
-            a.fenced(ps, now=0.0)
-            for p in ps:
-                valid.pop(p, None)
-        elif kind == "reclaim":
-            a.reclaim(ps & assigned)
-            for p in ps:
-                valid.pop(p, None)
-        elif kind == "fetch_commit":
-            fetched = {p: recs(expected.get(p, 0), expected.get(p, 0) + 1) for p in ps}
-            accepted = a.accept(fetched)
-            assert set(accepted.records) <= set(valid), (accepted.records, valid)
-            for p, rs in accepted.records.items():
-                assert rs[0].offset >= expected[p]
-                assert a.epochs[p] == valid[p]
-            committed = {p: rs[-1].offset + 1 for p, rs in accepted.records.items()}
-            a.committed(committed)
-            expected.update(committed)
-    assert set(a.epochs) <= set(valid) | set()
-    assert all(a.epochs[p] == valid[p] for p in a.epochs)
+        getattr(model, kind)(ps)
+    assert all(model.a.epochs[p] == model.valid[p] for p in model.a.epochs)
 
 
 @pytest.mark.parametrize("halted", [{}, {1: "hole"}])

@@ -18,6 +18,7 @@ CONTRACT = {
     "stock_ledger_partition_kafka_committed_offset": ("gauge", PART),
     "stock_ledger_partition_lag_messages": ("gauge", PART),
     "stock_ledger_partition_offset_drift_messages": ("gauge", PART),
+    "stock_ledger_partition_gap_messages": ("gauge", PART),
     "stock_ledger_assigned_partitions": ("gauge", set()),
     "stock_ledger_ready": ("gauge", set()),
     "stock_ledger_last_commit_timestamp_seconds": ("gauge", set()),
@@ -51,6 +52,7 @@ def exposition(metrics: Metrics) -> str:
         metrics.kafka_committed_offset,
         metrics.lag,
         metrics.drift,
+        metrics.gap,
     ):
         gauge.labels("warehouse.movements", "0").set(1)
     return generate_latest(metrics.registry).decode()
