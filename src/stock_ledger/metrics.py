@@ -9,7 +9,15 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -66,7 +74,11 @@ class BatchHistogram(Collector):
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        part = ["topic", "partition"]
+        part = ["group", "topic", "partition"]
+        # The process (RSS, CPU, open files) and Python's garbage collector, as every client_python service has.
+        ProcessCollector(registry=registry)
+        GCCollector(registry=registry)
+        PlatformCollector(registry=registry)
         # Positions, refreshed on a timer from Kafka and PostgreSQL (positions.py).
         self.db_offset = Gauge(_P + "partition_db_offset", "Next offset to apply, stored in PostgreSQL.", part,
                                registry=registry)
@@ -80,6 +92,13 @@ class Metrics:
         self.drift = Gauge(_P + "partition_offset_drift_messages",
                            "PostgreSQL offset minus Kafka's committed offset; negative means the seek path is broken.",
                            part, registry=registry)
+        self.lag_seconds = Gauge(_P + "partition_lag_seconds",
+                                 "Age of the oldest unapplied record (now - its Kafka timestamp); 0 when caught up.",
+                                 part, registry=registry)
+        self.monitor_leader = Gauge(_P + "monitor_leader",
+                                    "1 on the one pod of the group that runs the lag/drift timer and the ledger checks "
+                                    "(it holds the advisory-lock lease); the partition gauges come from it.",
+                                    registry=registry)
         self.gap = Gauge(_P + "partition_gap_messages",
                          "Records between the PostgreSQL offset and the log that can never be applied: below the log "
                          "start (retention, deleted records) or past its end (topic recreated). Non-zero: a hole.",

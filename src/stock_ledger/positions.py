@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING, Final
 
 import asyncpg
@@ -23,6 +24,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from stock_ledger.gaps import find_gap
+from stock_ledger.lease import Lease, lease_key
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -45,9 +47,11 @@ WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)
 
 
 class PositionMonitor:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics,
+                 connect: Callable[[], Awaitable[asyncpg.Connection]]) -> None:
         self._s = settings
         self._m = metrics
+        self._lease = Lease(connect, lease_key(settings.group_id, settings.topic))
         self._tasks: list[asyncio.Task[None]] = []
         self._pool: asyncpg.Pool | None = None
         self._kafka: AIOKafkaConsumer | None = None
@@ -67,7 +71,7 @@ class PositionMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for closer in (self._kafka and self._kafka.stop, self._admin and self._admin.close,
-                       self._pool and self._pool.close):
+                       self._pool and self._pool.close, self._lease.close):
             if closer is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(closer(), 5)
@@ -75,7 +79,10 @@ class PositionMonitor:
     async def _every(self, seconds: float, refresh: Callable[[], Awaitable[None]]) -> None:
         while True:
             try:
-                await asyncio.wait_for(refresh(), timeout=max(10.0, seconds * 2))
+                leads = await asyncio.wait_for(self._lease.check(), timeout=10)
+                self._m.monitor_leader.set(1 if leads else 0)
+                if leads:
+                    await asyncio.wait_for(refresh(), timeout=max(10.0, seconds * 2))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -95,8 +102,9 @@ class PositionMonitor:
     async def _positions(self) -> None:
         s = self._s
         if self._kafka is None:
+            # Reads one record per lagging partition (its timestamp is the lag in seconds), nothing more.
             self._kafka = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap_servers, enable_auto_commit=False,
-                                           isolation_level="read_committed")
+                                           isolation_level="read_committed", max_partition_fetch_bytes=64 * 1024)
             await self._kafka.start()
         if self._admin is None:
             self._admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
@@ -104,13 +112,17 @@ class PositionMonitor:
         if not self._partitions:
             self._partitions = await partitions_of(s.kafka_bootstrap_servers, s.topic)
         tps = [TopicPartition(s.topic, p) for p in self._partitions]
+        if self._kafka.assignment() != set(tps):
+            self._kafka.assign(tps)
+            self._kafka.pause(*tps)
         ends = await self._kafka.end_offsets(tps) if tps else {}
         starts = await self._kafka.beginning_offsets(tps) if tps else {}
+        now = time.time()
         committed = await self._admin.list_consumer_group_offsets(s.group_id)
         pool = await self._db()
         stored = {r["partition"]: r["next_offset"] for r in await pool.fetch(_STORED, s.group_id, s.topic)}
         for tp in tps:
-            labels = (s.topic, str(tp.partition))
+            labels = (s.group_id, s.topic, str(tp.partition))
             db = stored.get(tp.partition)
             end = int(ends[tp])
             self._m.log_end_offset.labels(*labels).set(end)
@@ -118,10 +130,27 @@ class PositionMonitor:
             self._m.lag.labels(*labels).set(end - (db or 0))
             gap = find_gap(tp.partition, db, int(starts[tp]), end) if db is not None else None
             self._m.gap.labels(*labels).set(gap.size if gap else 0)
+            oldest = db if db is not None else int(starts[tp])  # nothing stored yet: the reset policy's start
+            self._m.lag_seconds.labels(*labels).set(await self._age_of(tp, oldest, end, now)
+                                                    if gap is None and oldest < end else 0)
             meta = committed.get(tp)
             if meta is not None and meta.offset >= 0:
                 self._m.kafka_committed_offset.labels(*labels).set(meta.offset)
                 self._m.drift.labels(*labels).set((db or 0) - meta.offset)
+
+    async def _age_of(self, tp: TopicPartition, offset: int, end: int, now: float) -> float:
+        """Seconds since the oldest unapplied record (at `offset`) was produced; 0 if it cannot be read now."""
+        assert self._kafka is not None  # noqa: S101 - _positions started it
+        self._kafka.seek(tp, offset)
+        self._kafka.resume(tp)
+        try:
+            fetched = await self._kafka.getmany(tp, timeout_ms=1000, max_records=1)
+        finally:
+            self._kafka.pause(tp)
+        records = fetched.get(tp) or []
+        if not records or records[0].offset >= end or records[0].timestamp < 0:
+            return 0.0
+        return max(0.0, now - float(records[0].timestamp) / 1000)
 
     async def _invariants(self) -> None:
         pool = await self._db()

@@ -114,7 +114,7 @@ class Worker:
         log.info("worker.starting", settings=s.loggable())
         http = HttpServer("0.0.0.0", s.metrics_port, self.metrics.registry, self.liveness, self.readiness)  # noqa: S104
         await http.start()
-        monitor = PositionMonitor(s, self.metrics)
+        monitor = PositionMonitor(s, self.metrics, functools.partial(connect, s))
         try:
             self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect, s), "startup.retry")
             await check_schema(self._conn)

@@ -118,3 +118,51 @@ async def test_healthz_turns_503_when_the_main_loop_stalls_and_lag_keeps_growing
     w.signal(signal.SIGTERM)
     assert w.wait(15) == 0
 
+
+
+async def test_one_pod_leads_the_monitors_and_another_takes_over_when_it_dies(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """Three workers of one group: exactly one exports stock_ledger_monitor_leader 1 and the per-partition gauges
+    (with the group label); the others export 0 and none. SIGKILL the leader: another pod takes the lease within a
+    few refreshes."""
+    await produce(services.kafka, topic, 2_000, seed=23, show_progress=False)
+    pool = [workers.start() for _ in range(3)]
+    await wait_drained(services, database, topic, workers.group, 90, workers)
+
+    def leaders() -> list:
+        return [w for w in pool if w.alive() and w.metric("stock_ledger_monitor_leader") == 1]
+
+    await eventually(lambda: len(leaders()) == 1 and all(w.metric("stock_ledger_monitor_leader") is not None
+                                                         for w in pool), 30, "one monitor leader", workers)
+    [leader] = leaders()
+    await eventually(lambda: len(_per_partition(leader, "stock_ledger_partition_lag_messages")) == 24, 30,
+                     "the leader's partition gauges", workers)
+    await eventually(lambda: leader.metric("stock_ledger_partition_lag_messages",
+                                           {"group": workers.group, "partition": "0"}) == 0, 30,
+                     "the leader's gauges, labelled with the group, to show the drain", workers)
+    for w in pool:
+        if w is not leader:
+            assert _per_partition(w, "stock_ledger_partition_lag_messages") == {}
+    leader.kill()
+    await eventually(lambda: len(leaders()) == 1, 30, "another pod to take the lease", workers)
+    assert leaders()[0] is not leader
+
+
+async def test_lag_in_seconds_is_the_age_of_the_oldest_unapplied_record(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """A worker frozen for a while (its monitor frozen too, so a second worker of the group, which cannot claim
+    while the first holds the session, reads it): stock_ledger_partition_lag_seconds grows with the age of the
+    oldest unapplied record, and is 0 once drained."""
+    w = workers.start(STOCK_LEDGER_FAULT="after_read:hang")
+    await send_raw(services.kafka, topic, [(b"SKU-1", json.dumps(movement("SKU-1")).encode())])
+    await eventually(lambda: max(_per_partition(w, "stock_ledger_partition_lag_seconds").values() or [0]) >= 3,
+                     30, "the lag in seconds to reach 3 s", workers)
+    w.signal(signal.SIGTERM)
+    w.wait(20)
+    fresh = workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    await eventually(lambda: len(_per_partition(fresh, "stock_ledger_partition_lag_seconds")) == 24
+                     and max(_per_partition(fresh, "stock_ledger_partition_lag_seconds").values()) == 0,
+                     30, "lag in seconds back to 0", workers)

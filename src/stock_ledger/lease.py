@@ -1,0 +1,63 @@
+"""One pod of a group runs the monitors: a PostgreSQL advisory lock is the lease.
+
+The lag/drift timer and the ledger scans cost the same whatever the replica count, so they run on one pod (the
+leader), chosen by `pg_try_advisory_lock` on a session held for the purpose: the lease lasts exactly as long as
+that session. A leader that dies or loses its session frees the lease at once and another pod takes it on its next
+tick. A leader that is frozen keeps its session, hence the lease: its /healthz stops answering and the liveness
+probe restarts it (and the target-down alert fires), which frees the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    import asyncpg
+
+log = structlog.get_logger(__name__)
+
+
+def lease_key(group_id: str, topic: str) -> int:
+    """A stable 63-bit advisory lock key per (group, topic)."""
+    digest = hashlib.sha256(f"stock-ledger monitor {group_id} {topic}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class Lease:
+    def __init__(self, connect: Callable[[], Awaitable[asyncpg.Connection]], key: int) -> None:
+        self._connect = connect
+        self._key = key
+        self._conn: asyncpg.Connection | None = None
+        self._checking = asyncio.Lock()  # both monitor timers ask; one session, one answer
+        self.held = False
+
+    async def check(self) -> bool:
+        """True while this pod leads; tries to take the lease when it does not."""
+        async with self._checking:
+            return await self._check()
+
+    async def _check(self) -> bool:
+        if self._conn is not None and self._conn.is_closed():
+            self._conn = None
+        if self._conn is None:
+            if self.held:
+                log.warning("monitor.lease_lost", detail="the session holding the lease closed")
+            self.held = False
+            self._conn = await self._connect()
+        if not self.held:
+            self.held = bool(await self._conn.fetchval("SELECT pg_try_advisory_lock($1)", self._key))
+            if self.held:
+                log.info("monitor.lease_taken", detail="this pod runs the lag/drift timer and the ledger checks")
+        return self.held
+
+    async def close(self) -> None:
+        self.held = False
+        if self._conn is not None:
+            await self._conn.close(timeout=2)  # ends the session: the lease passes to another pod
+            self._conn = None
