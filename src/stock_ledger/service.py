@@ -335,6 +335,7 @@ class Worker:
         self._backoff.reset()
         self._db_ok = True
         self._record(batch, outcome.applied, outcome.rejected, seconds)
+        self.metrics.count_input_anomalies(batch.bad_timestamps, outcome.bisections)
         if outcome.already_applied:
             log.info("batch.already_applied", detail="an earlier attempt committed; its reply was lost")
         for x in batch.slices:
