@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -88,6 +89,37 @@ class TestDepth:
         finally:
             sys.setrecursionlimit(limit)
         assert isinstance(r, Movement) or r.code is RejectCode.TOO_DEEP
+
+
+    @pytest.mark.parametrize("value", [
+        b'{"a":"' + b'\\"' * 300_000 + b"[" * 100, b'{"a":' + b'"' * 1_000_000 + b"[" * 100,
+        b"{" + (b"[" * 64 + b"]" * 64) * 7_000 + b"}", b"{" + b"[" * 500_000 + b"]" * 500_000 + b"}",
+        b'{"a":"' + b"\\" * 500_000 + b"[" * 100,
+    ], ids=["escaped-quotes", "bare-quotes", "many-64-deep", "one-deep", "backslashes"])
+    def test_a_megabyte_built_to_be_slow_is_decided_in_well_under_seconds(self, value: bytes) -> None:
+        """The depth check is linear: no 1 MB value stalls the partition (a backtracking scan took minutes)."""
+        started = time.perf_counter()
+        parse(KEY, value)
+        assert time.perf_counter() - started < 5
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.recursive(st.none() | st.integers() | st.text(alphabet='[]{}"\\ab', max_size=6),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                            st.text(alphabet='[]{}"\\a', max_size=3), inner, max_size=3), max_leaves=30))
+    def test_the_depth_check_agrees_with_the_json_structure(self, document: object) -> None:
+        """For any JSON document (strings full of brackets, quotes and backslashes included), the check says
+        'deeper' exactly when the document's real nesting exceeds the limit, for every limit."""
+        raw = json.dumps(document).encode()
+
+        def depth(v: object) -> int:
+            if isinstance(v, list):
+                return 1 + max(map(depth, v), default=0)
+            if isinstance(v, dict):
+                return 1 + max(map(depth, v.values()), default=0)
+            return 0
+
+        for limit in range(5):
+            assert nests_deeper_than(raw, limit) == (depth(document) > limit), (raw, limit)
 
 
 class TestDates:
