@@ -11,12 +11,13 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stock_ledger.domain import MAX_DEPTH, Movement, RejectCode, Rejection, nests_deeper_than, parse, pg_text
-from stock_ledger.sink import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, REJECT_COLUMNS, Record, build_batch
+from stock_ledger.sink import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, REJECT_COLUMNS, Record, build_batch, refusal
 from tests.fuzz import any_record, batches, encode_with, near_valid
 
 KEY = b"SKU-1"
@@ -243,3 +244,50 @@ def test_build_batch_puts_every_record_in_exactly_one_list_with_storable_values(
 def test_any_record_parses_without_raising(record: tuple[bytes | None, bytes | None]) -> None:
     """The mix the database fuzz uses (valid, near-valid, arbitrary): parse is total over it too."""
     assert isinstance(parse(*record), Movement | Rejection)
+
+
+class TestRefusal:
+    """Which failures of the batch transaction are a refused value (isolate and quarantine the row), and which are
+    not (faults to retry, our own uniqueness backstops, bugs to surface)."""
+
+    @pytest.mark.parametrize("fields", [
+        {"C": "22021", "M": 'invalid byte sequence for encoding "UTF8": 0x00'},
+        {"C": "22003", "M": "integer out of range"},
+        {"C": "22008", "M": "timestamp out of range"},
+        {"C": "54000", "M": "row is too big"},
+        {"C": "23514", "M": "new row violates check constraint", "n": "stock_movements_qty_check"},
+        {"C": "23502", "M": "null value in column violates not-null constraint"},
+        {"C": "23505", "M": "duplicate key value", "n": "some_index_someone_added"},
+    ], ids=lambda f: f["C"])
+    def test_data_errors_are_refusals_with_the_server_message(self, fields: dict[str, str]) -> None:
+        why = refusal(asyncpg.PostgresError.new(fields))
+        assert why is not None
+        assert fields["C"] in why
+        assert fields["M"] in why
+
+    @pytest.mark.parametrize("fields", [
+        {"C": "23505", "M": "dup", "n": "stock_movements_coordinates_key"},
+        {"C": "23505", "M": "dup", "n": "rejected_movements_coordinates_key"},
+        {"C": "23505", "M": "dup", "n": "stock_movements_movement_id_key"},
+        {"C": "40001", "M": "could not serialize access"},
+        {"C": "40P01", "M": "deadlock detected"},
+        {"C": "55P03", "M": "lock not available"},
+        {"C": "57014", "M": "canceling statement"},
+        {"C": "57P01", "M": "terminating connection"},
+        {"C": "42P01", "M": "relation does not exist"},
+        {"C": "25P02", "M": "current transaction is aborted"},
+    ], ids=lambda f: f"{f['C']}-{f.get('n', '')}")
+    def test_backstops_faults_and_schema_errors_are_not(self, fields: dict[str, str]) -> None:
+        assert refusal(asyncpg.PostgresError.new(fields)) is None
+
+    def test_client_side_encode_errors_are_refusals_and_other_exceptions_are_not(self) -> None:
+        """What asyncpg's encoders raise inside COPY is a refusal; connection faults and type bugs are not."""
+        surrogate = "\ud800"
+        with pytest.raises(UnicodeEncodeError) as encode:
+            surrogate.encode()
+        for exc in (encode.value, OverflowError("date value out of range"), ValueError("bad value"),
+                    asyncpg.exceptions._base.DataError("invalid input")):
+            assert refusal(exc) is not None, exc
+        for exc in (ConnectionResetError(), OSError(), TypeError("not a str"), asyncpg.InterfaceError("closed"),
+                    TimeoutError()):
+            assert refusal(exc) is None, exc
