@@ -165,3 +165,28 @@ async def test_a_record_timestamp_past_year_9999_is_stored_as_null_and_counted(
                      "the out-of-range timestamp counter at 20", workers)
     assert worker.alive(), workers.logs_tail()
     workers.assert_no_tracebacks()
+
+
+async def test_a_record_the_database_refuses_is_quarantined_by_the_worker_and_stops_nothing(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """A record the parser accepts but PostgreSQL refuses (here: a CHECK constraint someone added by hand, refusing
+    sku 'SKU-REFUSED'), among 300 good movements: the worker isolates it by bisection inside the batch
+    transaction, quarantines it as database_rejected with the server's message, applies all the rest, keeps
+    running, and stock_ledger_batch_bisections_total shows the splits."""
+    owner = await asyncpg.connect(database.owner_url)
+    try:
+        await owner.execute("ALTER TABLE stock_movements ADD CONSTRAINT no_refused_sku CHECK (sku <> 'SKU-REFUSED')")
+    finally:
+        await owner.close()
+    poison = [(b"SKU-REFUSED", json.dumps(movement("SKU-REFUSED", qty=1)).encode())]
+    await drain_around(services, database, topic, workers, poison, {"database_rejected": 1})
+    conn = await asyncpg.connect(database.owner_url)
+    try:
+        reason = await conn.fetchval("SELECT reason FROM rejected_movements WHERE reason_code = 'database_rejected'")
+    finally:
+        await conn.close()
+    assert "no_refused_sku" in reason
+    assert "23514" in reason
+    (worker,) = workers.started
+    assert (worker.metric("stock_ledger_batch_bisections_total") or 0) >= 1
