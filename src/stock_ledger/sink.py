@@ -259,16 +259,16 @@ class Ledger:
                 try:
                     written = await self._transaction(conn, batch, look_up_known=look_up_known, isolate=isolate)
                     break
-                except asyncpg.UniqueViolationError as exc:
-                    if exc.constraint_name != _MOVEMENT_ID_KEY or look_up_known:
-                        raise
-                    # An upstream resend: that transaction rolled back; redo it, quarantining the known movement_ids.
-                    look_up_known = True
                 except Exception as exc:
-                    if isolate or refusal(exc) is None:
+                    if (isinstance(exc, asyncpg.UniqueViolationError) and exc.constraint_name == _MOVEMENT_ID_KEY
+                            and not look_up_known):
+                        # An upstream resend: rolled back; redo it, quarantining the known movement_ids.
+                        look_up_known = True
+                    elif not isolate and refusal(exc) is not None:
+                        # The database refused a value: rolled back; redo it, isolating the refused records.
+                        isolate = True
+                    else:
                         raise
-                    # The database refused a value: rolled back; redo it, isolating the refused records.
-                    isolate = True
         except _AlreadyApplied:
             return Outcome(0, Counter(), already_applied=True)
         except asyncpg.UniqueViolationError as exc:

@@ -174,3 +174,22 @@ async def test_our_own_uniqueness_backstops_are_not_refusals(conn: asyncpg.Conne
         await ledger.apply(conn, batch)
     state = await ledger_of(database)
     assert (len(state["applied"]), state["rejected"], state["offsets"]) == (1, {}, {0: None})
+
+
+async def test_a_unique_index_someone_added_is_a_refusal_not_a_crash(conn: asyncpg.Connection, database: Env) -> None:
+    """A unique index that is not one of our backstops (added by hand: one row per warehouse, sku and qty) refuses
+    9 of 10 identical-looking movements: the first is applied, the other 9 are database_rejected, offsets move."""
+    owner = await asyncpg.connect(database.owner_url)
+    try:
+        await owner.execute("CREATE UNIQUE INDEX one_per_qty ON stock_movements (warehouse_id, sku, qty)")
+    finally:
+        await owner.close()
+    ledger = Ledger("g", Faults(None))
+    (claim,) = await ledger.claim(conn, TOPIC, [0], None, None)
+    outcome = await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 10)}, {0: claim.epoch}))
+    assert (outcome.applied, outcome.rejected) == (1, {"database_rejected": 9})
+    state = await ledger_of(database)
+    assert state["applied"] == {(0, 0)}
+    assert all("one_per_qty" in reason for _, reason, _, _ in state["rejected"].values())
+    assert state["offsets"] == {0: 10}
+    assert state["levels"] == {("WH-1", "SKU-1"): 2}
