@@ -6,6 +6,7 @@
 #   scripts/kafka.sh stop
 #   scripts/kafka.sh restart
 #   scripts/kafka.sh status
+#   scripts/kafka.sh libs     # fetches the jars if needed and prints their directory (for the Java test producer)
 #
 # Environment: KAFKA_VERSION (pinned default below), KAFKA_PORT (9092), KAFKA_CONTROLLER_PORT (9093),
 # STOCK_LEDGER_CACHE (downloaded jars), STOCK_LEDGER_STATE (data and logs).
@@ -122,6 +123,7 @@ case "${1:-start}" in
   start) start ;;
   stop) stop ;;
   restart) stop; start ;;
+  libs) fetch_jars; echo "$cache/libs" ;;
   status) if running || port_open "$KAFKA_PORT"; then echo "running"; else echo "stopped"; exit 1; fi ;;
-  *) echo "usage: $0 start|stop|restart|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|restart|status|libs" >&2; exit 2 ;;
 esac

@@ -120,6 +120,15 @@ class Metrics:
                                   registry=registry)
         self.claims = Counter(_P + "partition_claims", "Partitions claimed in PostgreSQL.", registry=registry)
         self.retries = Counter(_P + "retries", "Retried operations by cause.", ["cause"], registry=registry)
+        # Input the ledger survives rather than stops on (issue 9).
+        self.kafka_timestamps_out_of_range = Counter(
+            _P + "kafka_timestamps_out_of_range",
+            "Records whose Kafka timestamp is negative (not -1) or past year 9999: stored with a NULL kafka_timestamp.",
+            registry=registry)
+        self.batch_bisections = Counter(
+            _P + "batch_bisections",
+            "Splits of a batch chunk PostgreSQL refused, to isolate and quarantine the refused records.",
+            registry=registry)
         # Latency.
         self.batch_duration = Histogram(
             _P + "batch_duration_seconds", "Duration of the batch transaction.", registry=registry,
@@ -160,3 +169,8 @@ class Metrics:
         now = time.time()
         self.last_commit.set(now)
         self.end_to_end.observe_many([max(0.0, now - ts / 1000) for ts in timestamps_ms if ts >= 0])
+
+    def count_input_anomalies(self, bad_timestamps: int, bisections: int) -> None:
+        """Per committed batch: out-of-range Kafka timestamps stored as NULL, and splits to isolate refused rows."""
+        self.kafka_timestamps_out_of_range.inc(bad_timestamps)
+        self.batch_bisections.inc(bisections)

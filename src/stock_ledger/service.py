@@ -305,12 +305,13 @@ class Worker:
 
     def _committed(self, batch: Batch, outcome: Outcome, seconds: float) -> None:
         self._db_ok = True
+        self.metrics.count_input_anomalies(batch.bad_timestamps, outcome.bisections)
         if outcome.already_applied:
             log.info("batch.already_applied", detail="an earlier attempt committed; its reply was lost")
         self.assignment.committed({x.partition: x.next_offset for x in batch.slices})
         for code, n in outcome.rejected.items():
             log.warning("batch.rejected", reason=code, records=n)
-        self.metrics.batch_committed(outcome.applied, outcome.rejected, batch.size, seconds, batch.timestamps_ms)
+        self.metrics.batch_committed(outcome.applied, outcome.rejected, batch.size, seconds, batch.times_ms)
         log.debug("batch.committed", applied=outcome.applied, rejected=sum(outcome.rejected.values()),
                   seconds=round(seconds, 4))
 

@@ -9,6 +9,12 @@ The whole guarantee is `Ledger.apply`: one PostgreSQL transaction per batch that
   5. adds each (warehouse, sku) delta to stock_levels, in key order;
 and then COMMITs. Either all of it is durable or none of it is. Kafka is told afterwards, advisorily.
 
+The parser validates every value against what PostgreSQL can hold, so the database refusing a row is a bug of ours or
+a database that differs (an encoding, a constraint someone added). Even then one record must not stop every
+partition: a batch refused for a data error is redone with each COPY under a SAVEPOINT, bisecting a refused chunk
+until the refused records are isolated; they are quarantined as `database_rejected` with the server's message and the
+rest commits in the same one transaction (see `_copy_isolating`).
+
 Step 2 costs nothing on the common path: the COPY itself finds a known movement_id (UNIQUE (movement_id) raises),
 and only then is the transaction rolled back and redone with the lookup. A lookup on every batch cost a round trip
 and 5,000 index probes, and its cached generic plan could turn into a sequential scan (see `_KNOWN_IDS`).
@@ -21,14 +27,14 @@ import hashlib
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import asyncpg
 import msgspec
 import structlog
 
-from stock_ledger.domain import Movement, RejectCode, Rejection, parse
+from stock_ledger.domain import Movement, RejectCode, Rejection, parse, pg_text
 from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerIntegrityError, OffsetRegressionError
 
 if TYPE_CHECKING:
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
+
+log = structlog.get_logger(__name__)
 
 MOVEMENT_COLUMNS: Final = (
     "movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at",
@@ -140,7 +148,19 @@ class Batch:
 
     @property
     def timestamps_ms(self) -> list[int]:
+        """Every record's Kafka timestamp as it came (-1: none)."""
         return [ts for x in self.slices for ts in x.timestamps_ms]
+
+    @property
+    def times_ms(self) -> list[int]:
+        """The Kafka timestamps that are times (the latency metric's input)."""
+        return [ts for x in self.slices for ts in x.timestamps_ms if 0 <= ts <= MAX_TIMESTAMP_MS]
+
+    @property
+    def bad_timestamps(self) -> int:
+        """Records whose Kafka timestamp is neither -1 (none) nor a time PostgreSQL and Python can hold (a producer
+        that sends microseconds, a negative value): stored as NULL kafka_timestamp, counted for the metric."""
+        return sum(1 for x in self.slices for ts in x.timestamps_ms if ts != -1 and not 0 <= ts <= MAX_TIMESTAMP_MS)
 
     def without(self, partitions: set[int]) -> Batch | None:
         """The same batch without these partitions (from the rows we hold, no re-fetch); None if nothing is left."""
@@ -157,10 +177,21 @@ class Outcome:
     applied: int
     rejected: Counter[str]
     already_applied: bool = False
+    # Splits of a chunk the database refused (0 unless a record got past the parser that PostgreSQL refuses).
+    bisections: int = 0
+
+
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+# The last millisecond Python's datetime can hold (9999-12-31T23:59:59.999Z); timestamptz reaches further.
+MAX_TIMESTAMP_MS: Final = (datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC) - _EPOCH) // timedelta(
+    milliseconds=1)
 
 
 def _ts(ms: int) -> datetime | None:
-    return datetime.fromtimestamp(ms / 1000, UTC) if ms >= 0 else None
+    """A Kafka record timestamp as a datetime; None for -1 (no timestamp) and anything out of range."""
+    if not 0 <= ms <= MAX_TIMESTAMP_MS:
+        return None
+    return _EPOCH + timedelta(milliseconds=ms)  # exact, unlike a float division
 
 
 def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int]) -> Batch:
@@ -182,7 +213,7 @@ def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Map
         for r in recs:
             ms = r.timestamp
             kafka_ts = stamps.get(ms)
-            if kafka_ts is None and ms >= 0:
+            if kafka_ts is None:
                 kafka_ts = stamps[ms] = _ts(ms)
             parsed = parse(r.key, r.value)
             if isinstance(parsed, Movement):
@@ -198,8 +229,8 @@ def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Map
                     f"movement_id {mid} appears earlier in this batch; applied once, this copy kept here",
                 )
             rejects.append((
-                topic, partition, r.offset, kafka_ts, r.key, r.value,
-                parsed.code.value, parsed.reason, _movement_id_of(r.value),
+                topic, partition, r.offset, kafka_ts, r.key, r.value, parsed.code.value, pg_text(parsed.reason),
+                None if parsed.code is RejectCode.TOO_DEEP else _movement_id_of(r.value),
             ))
     return Batch(topic, slices, movements, rejects, raw)
 
@@ -214,7 +245,7 @@ def _movement_id_of(value: bytes | None) -> uuid.UUID | None:
         return None
     try:
         return msgspec.json.decode(value, type=_JustTheId).movement_id
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -284,6 +315,9 @@ SELECT k.movement_id FROM unnest($1::uuid[]) AS u(id)
 CROSS JOIN LATERAL (SELECT m.movement_id FROM stock_movements AS m WHERE m.movement_id = u.id LIMIT 1) AS k
 """
 _MOVEMENT_ID_KEY: Final = "stock_movements_movement_id_key"
+_COORDINATE_KEYS: Final = frozenset({"stock_movements_coordinates_key", "rejected_movements_coordinates_key"})
+# Our own uniqueness backstops: they mean a resend or a regression, handled above, never a bad value.
+_BACKSTOPS: Final = _COORDINATE_KEYS | {_MOVEMENT_ID_KEY}
 
 _ADD_LEVELS: Final = """
 INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand)
@@ -294,6 +328,13 @@ ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + EXCLUDED.on_
 
 class _AlreadyApplied(Exception):  # a control-flow signal that rolls back, not an error
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    applied: int
+    rejects: list[tuple[Any, ...]]
+    bisections: int
 
 
 class Ledger:
@@ -339,43 +380,62 @@ class Ledger:
 
     async def apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
         """THE batch transaction. Raises FencedError, OffsetRegressionError or CoordinateConflictError."""
+        look_up_known = isolate = False
         try:
-            try:
-                movements, rejects = await self._transaction(conn, batch, look_up_known=False)
-            except asyncpg.UniqueViolationError as exc:
-                if exc.constraint_name != _MOVEMENT_ID_KEY:
-                    raise
-                # An upstream resend: that transaction rolled back; redo it, quarantining the known movement_ids.
-                movements, rejects = await self._transaction(conn, batch, look_up_known=True)
+            while True:
+                try:
+                    written = await self._transaction(conn, batch, look_up_known=look_up_known, isolate=isolate)
+                    break
+                except Exception as exc:
+                    if (isinstance(exc, asyncpg.UniqueViolationError) and exc.constraint_name == _MOVEMENT_ID_KEY
+                            and not look_up_known):
+                        # An upstream resend: rolled back; redo it, quarantining the known movement_ids.
+                        look_up_known = True
+                    elif not isolate and refusal(exc) is not None:
+                        # The database refused a value: rolled back; redo it, isolating the refused records.
+                        isolate = True
+                    else:
+                        raise
         except _AlreadyApplied:
             return Outcome(0, Counter(), already_applied=True)
         except asyncpg.UniqueViolationError as exc:
-            if exc.constraint_name in {"stock_movements_coordinates_key", "rejected_movements_coordinates_key"}:
+            if exc.constraint_name in _COORDINATE_KEYS:
                 raise CoordinateConflictError(
                     f"{exc.constraint_name}: a record of this batch is already in the ledger although the offset "
                     "guard let the batch through; refusing to continue (see `stock-ledger verify`)"
                 ) from exc
             raise  # movement_id raced in from another partition's batch: retriable, the retry quarantines it
         self.faults.reached("after_commit")
-        return Outcome(len(movements), Counter(r[6] for r in rejects))
+        return Outcome(written.applied, Counter(r[6] for r in written.rejects), bisections=written.bisections)
 
     async def _transaction(
-        self, conn: asyncpg.Connection, batch: Batch, *, look_up_known: bool,
-    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        self, conn: asyncpg.Connection, batch: Batch, *, look_up_known: bool, isolate: bool,
+    ) -> _Written:
         async with conn.transaction():
             await self._advance_offsets(conn, batch)
             movements, rejects = batch.movements, batch.rejects
             if look_up_known:
                 movements, rejects = await self._quarantine_known(conn, batch)
-            if movements:
-                rows = self.faults.midway("during_copy", movements) if self.faults.armed("during_copy") else movements
-                await conn.copy_records_to_table("stock_movements", records=rows, columns=MOVEMENT_COLUMNS)
-            if rejects:
-                await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
+            bisections = 0
+            if isolate:
+                movements, refused, bisections = await _copy_isolating(conn, "stock_movements", MOVEMENT_COLUMNS,
+                                                                       movements)
+                rejects = [*rejects, *_quarantine_refused(batch, refused)]
+                rejects, refused_rejects, more = await _copy_isolating(conn, "rejected_movements", REJECT_COLUMNS,
+                                                                       rejects)
+                bisections += more
+                rejects += await _copy_bare_rejects(conn, refused_rejects)
+            else:
+                if movements:
+                    rows = (self.faults.midway("during_copy", movements) if self.faults.armed("during_copy")
+                            else movements)
+                    await conn.copy_records_to_table("stock_movements", records=rows, columns=MOVEMENT_COLUMNS)
+                if rejects:
+                    await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
             self.faults.reached("after_rows")
             await _add_levels(conn, movements)
             self.faults.reached("before_commit")
-        return movements, rejects
+        return _Written(len(movements), rejects, bisections)
 
     async def _advance_offsets(self, conn: asyncpg.Connection, batch: Batch) -> None:
         s = batch.slices
@@ -433,3 +493,82 @@ async def _add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, .
         return
     keys = sorted(deltas)
     await conn.execute(_ADD_LEVELS, [k[0] for k in keys], [k[1] for k in keys], [deltas[k] for k in keys])
+
+
+def refusal(exc: BaseException) -> str | None:
+    """What was wrong, if `exc` is PostgreSQL or the driver refusing a value (so the same rows fail again on every
+    retry); None for anything else (faults, fencing, our own uniqueness backstops)."""
+    if isinstance(exc, asyncpg.PostgresError):
+        state = exc.sqlstate or ""
+        # 22: data exception (encoding, range, format); 54: program limit (row too big); 23: a constraint.
+        if state[:2] in {"22", "54"} or (state[:2] == "23" and getattr(exc, "constraint_name", None) not in _BACKSTOPS):
+            return f"PostgreSQL refused the row ({state}): {exc}"
+        return None
+    # Client side, inside COPY: asyncpg's encoders raise DataError (a ValueError), UnicodeEncodeError (a lone
+    # surrogate), OverflowError (a datetime that leaves the range once converted to UTC) or ValueError.
+    if isinstance(exc, ValueError | OverflowError):
+        return f"the database driver cannot encode the row: {type(exc).__name__}: {exc}"
+    return None
+
+
+async def _copy_isolating(
+    conn: asyncpg.Connection, table: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]],
+) -> tuple[list[tuple[Any, ...]], list[tuple[tuple[Any, ...], str]], int]:
+    """COPY `rows`, each chunk under a SAVEPOINT; a refused chunk is rolled back to it and split in two, until the
+    refused rows stand alone. Returns (copied rows, refused rows with the reason, number of splits): k refused rows
+    cost about k * log2(len(rows)) extra COPYs, inside the one batch transaction."""
+    copied: list[tuple[Any, ...]] = []
+    refused: list[tuple[tuple[Any, ...], str]] = []
+    splits = 0
+    pending = [rows] if rows else []
+    while pending:
+        chunk = pending.pop()
+        try:
+            async with conn.transaction():  # nested: a SAVEPOINT
+                await conn.copy_records_to_table(table, records=chunk, columns=columns)
+        except Exception as exc:
+            why = refusal(exc)
+            if why is None:
+                raise
+            if len(chunk) == 1:
+                refused.append((chunk[0], why))
+                continue
+            splits += 1
+            half = len(chunk) // 2
+            pending += [chunk[half:], chunk[:half]]  # the first half is tried first: rows keep their order
+        else:
+            copied += chunk
+    if refused:
+        log.warning("batch.rows_refused", table=table, rows=len(refused), splits=splits,
+                    first=pg_text(refused[0][1], 500),
+                    detail="quarantined as database_rejected; the rest of the batch commits")
+    return copied, refused, splits
+
+
+def _quarantine_refused(
+    batch: Batch, refused: list[tuple[tuple[Any, ...], str]],
+) -> list[tuple[Any, ...]]:
+    """Quarantine rows for movement rows the database refused, with the record's raw bytes and the refusal."""
+    if not refused:
+        return []
+    raw = {(m[7], m[8]): kv for m, kv in zip(batch.movements, batch.raw, strict=True)}
+    rows = []
+    for m, why in refused:
+        key, value = raw.get((m[7], m[8]), (None, None))
+        rows.append((m[6], m[7], m[8], m[9], key, value, RejectCode.DATABASE_REJECTED.value, pg_text(why), m[0]))
+    return rows
+
+
+async def _copy_bare_rejects(
+    conn: asyncpg.Connection, refused: list[tuple[tuple[Any, ...], str]],
+) -> list[tuple[Any, ...]]:
+    """Quarantine rows the database refused in turn get stored bare: coordinates, raw bytes (bytea holds anything)
+    and the refusal. If even that is refused, the coordinates themselves are bad: no Kafka record has such."""
+    rows = [
+        (r[0], r[1], r[2], None, r[4], r[5], RejectCode.DATABASE_REJECTED.value,
+         pg_text(f"{why}; the original reason was: {r[7]}"), None)
+        for r, why in refused
+    ]
+    if rows:
+        await conn.copy_records_to_table("rejected_movements", records=rows, columns=REJECT_COLUMNS)
+    return rows

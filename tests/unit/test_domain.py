@@ -428,6 +428,9 @@ def test_the_reject_codes_are_the_contract_label_values() -> None:
         "sign_mismatch",
         "duplicate_movement_id",
         "missing_key",
+        "too_deep",
+        "out_of_range",
+        "database_rejected",
     }
 
 

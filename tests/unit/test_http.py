@@ -26,6 +26,9 @@ REASONS = (
     "sign_mismatch",
     "duplicate_movement_id",
     "missing_key",
+    "too_deep",
+    "out_of_range",
+    "database_rejected",
 )
 
 

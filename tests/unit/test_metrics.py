@@ -34,6 +34,8 @@ CONTRACT = {
     "stock_ledger_rebalances_total": ("counter", set()),
     "stock_ledger_partition_claims_total": ("counter", set()),
     "stock_ledger_retries_total": ("counter", {"cause"}),
+    "stock_ledger_kafka_timestamps_out_of_range_total": ("counter", set()),
+    "stock_ledger_batch_bisections_total": ("counter", set()),
     "stock_ledger_batch_duration_seconds": ("histogram", set()),
     "stock_ledger_batch_records": ("histogram", set()),
     "stock_ledger_end_to_end_latency_seconds": ("histogram", set()),
