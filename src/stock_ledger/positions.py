@@ -16,14 +16,16 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Final
 
-import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger.clients import create_database_pool, kafka_options
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
+    import asyncpg
+
     from stock_ledger.config import Settings
     from stock_ledger.metrics import Metrics
 
@@ -83,23 +85,20 @@ class PositionMonitor:
 
     async def _db(self) -> asyncpg.Pool:
         if self._pool is None:
-            self._pool = await asyncpg.create_pool(
-                self._s.require_database_url(), min_size=0, max_size=1, timeout=5,
-                server_settings={"application_name": "stock-ledger-metrics"},
-            )
+            self._pool = await create_database_pool(self._s, application_name="stock-ledger-metrics")
         return self._pool
 
     async def _positions(self) -> None:
         s = self._s
         if self._kafka is None:
             self._kafka = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap_servers, enable_auto_commit=False,
-                                           isolation_level="read_committed")
+                                           isolation_level="read_committed", **kafka_options(s))
             await self._kafka.start()
         if self._admin is None:
-            self._admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
+            self._admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers, **kafka_options(s))
             await self._admin.start()
         if not self._partitions:
-            self._partitions = await partitions_of(s.kafka_bootstrap_servers, s.topic)
+            self._partitions = await partitions_of(s.kafka_bootstrap_servers, s.topic, options=kafka_options(s))
         tps = [TopicPartition(s.topic, p) for p in self._partitions]
         ends = await self._kafka.end_offsets(tps) if tps else {}
         committed = await self._admin.list_consumer_group_offsets(s.group_id)

@@ -16,13 +16,13 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
 
+from stock_ledger.clients import check_kafka, connect_database, kafka_options
 from stock_ledger.errors import FencedError, StockLedgerError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from collections import Counter
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
+    import asyncpg
+
     from stock_ledger.config import Settings
 
 log = structlog.get_logger(__name__)
@@ -43,23 +45,6 @@ _T = TypeVar("_T")
 _OWNERS = """
 SELECT partition, member_id FROM consumer_offsets WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])
 """
-
-
-async def connect(settings: Settings) -> asyncpg.Connection:
-    """One session with the timeouts that keep a frozen peer from blocking the group forever."""
-    return await asyncpg.connect(
-        settings.require_database_url(),
-        timeout=10,
-        server_settings={
-            "application_name": "stock-ledger",
-            # A claim waiting on a zombie's row lock gives up (and retries) instead of stalling the rebalance.
-            "lock_timeout": str(settings.lock_timeout_ms),
-            # A worker frozen inside its transaction loses its session, so its row locks are released.
-            "idle_in_transaction_session_timeout": str(settings.idle_in_transaction_timeout_ms),
-            # Detect a peer that vanished without a FIN (a node lost) within about a minute.
-            "tcp_keepalives_idle": "30", "tcp_keepalives_interval": "10", "tcp_keepalives_count": "3",
-        },
-    )
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -103,9 +88,10 @@ class Worker:
         await http.start()
         monitor = PositionMonitor(s, self.metrics)
         try:
-            self._conn = await self._retry("connect to PostgreSQL", lambda: connect(s))
+            self._conn = await self._retry("connect to PostgreSQL", lambda: connect_database(s))
             await check_schema(self._conn)
             self._db_ok = True
+            await self._retry("reach the Kafka cluster", lambda: check_kafka(s))
             self._consumer = self._make_consumer()
             await self._retry("join the Kafka cluster", self._consumer.start)
             monitor.start()
@@ -134,6 +120,7 @@ class Worker:
             rebalance_timeout_ms=s.rebalance_timeout_ms,
             max_poll_interval_ms=max(300_000, s.rebalance_timeout_ms),
             fetch_max_wait_ms=min(500, s.batch_max_wait_ms),
+            **kafka_options(s),
         )
         consumer.subscribe([s.topic], listener=_Listener(self))
         return consumer
@@ -283,7 +270,7 @@ class Worker:
             current: Batch | None = batch
             while current is not None:
                 if self._needs_connection():
-                    self._conn = await self._retry("reconnect to PostgreSQL", lambda: connect(self.settings))
+                    self._conn = await self._retry("reconnect to PostgreSQL", lambda: connect_database(self.settings))
                 started = time.perf_counter()
                 try:
                     outcome = await self.ledger.apply(self._conn, current)
@@ -437,7 +424,7 @@ class Worker:
         generation, member_id = self._generation()
         try:
             if self._needs_connection():
-                self._conn = await connect(self.settings)
+                self._conn = await connect_database(self.settings)
             claims = await self.ledger.claim(self._conn, self.settings.topic, [tp.partition for tp in pending],
                                              generation, member_id)
             starts = await self._start_offsets(pending, claims)

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 log = structlog.get_logger(__name__)
 
 
-async def ensure_topic(bootstrap: str, topic: str, partitions: int = 24, replication: int = 1,
-                       attempts: int = 30) -> bool:
+async def ensure_topic(bootstrap: str, topic: str, partitions: int = 24, replication: int = 1,  # noqa: PLR0913
+                       attempts: int = 30, *, options: Mapping[str, Any] | None = None) -> bool:
     """Create `topic` if absent; return True if created. Retries while the broker is still starting."""
     for attempt in range(1, attempts + 1):
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
         try:
             await admin.start()
             if topic in await admin.list_topics():
@@ -36,9 +40,9 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int = 24, replica
     return False
 
 
-async def partitions_of(bootstrap: str, topic: str) -> list[int]:
+async def partitions_of(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> list[int]:
     """The topic's partition numbers, from a fresh metadata request (empty if the topic does not exist)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
     await admin.start()
     try:
         described = await admin.describe_topics([topic])
