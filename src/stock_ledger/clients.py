@@ -88,7 +88,7 @@ async def check_kafka(settings: Settings, timeout_ms: int = 10_000) -> None:
             ) from None
         except ssl.SSLCertVerificationError as exc:
             raise ConnectionSecurityError(_certificate_problem("Kafka", where, exc, "KAFKA_SSL_CA_FILE",
-                                                               "KAFKA_SSL_CHECK_HOSTNAME")) from None
+                                                               "set KAFKA_SSL_CHECK_HOSTNAME=false")) from None
         except ssl.SSLError as exc:
             raise ConnectionSecurityError(
                 f"TLS handshake with Kafka at {where} failed ({exc.reason or exc}): is it a TLS listener? "
@@ -104,11 +104,11 @@ async def check_kafka(settings: Settings, timeout_ms: int = 10_000) -> None:
 
 
 def _certificate_problem(service: str, where: str, exc: ssl.SSLCertVerificationError, ca_var: str,
-                         hostname_var: str) -> str:
+                         skip_hostname: str) -> str:
     if exc.verify_code == _HOSTNAME_MISMATCH:
         return (f"TLS hostname mismatch: the certificate of {service} at {where} is not valid for that name "
-                f"({exc.verify_message}). Connect by a name the certificate lists, or (not recommended) set "
-                f"{hostname_var}")
+                f"({exc.verify_message}). Connect by a name the certificate lists, or (not recommended) "
+                f"{skip_hostname}")
     return (f"untrusted certificate: {service} at {where} presented a certificate that no CA in {ca_var} signed "
             f"({exc.verify_message}). Point {ca_var} at the CA that issued the server's certificate")
 
@@ -163,7 +163,7 @@ def _database_problem(exc: BaseException) -> ConnectionSecurityError | None:
     """A failed connect that a retry cannot fix, as one clear line; None for anything else."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         return ConnectionSecurityError(_certificate_problem("PostgreSQL", "DATABASE_URL's host", exc,
-                                                            "the URL's sslrootcert", "sslmode=verify-ca"))
+                                                            "the URL's sslrootcert", "use sslmode=verify-ca"))
     if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
         # Covers a wrong password (28P01) and a pg_hba rejection (28000); the server's message names the user only.
         return ConnectionSecurityError(f"PostgreSQL refused the login: {exc}. Check the user and password in "
