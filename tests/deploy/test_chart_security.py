@@ -56,7 +56,7 @@ def test_values_map_to_the_worker_settings(secure_render: Rendered) -> None:
     assert env["KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
     assert env["KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
     assert env["KAFKA_SASL_USERNAME"] == "stock-ledger"
-    assert env["KAFKA_SASL_PASSWORD_FILE"] == "/etc/stock-ledger/kafka-sasl/password"
+    assert env["KAFKA_SASL_PASSWORD_FILE"] == "/etc/stock-ledger/kafka-sasl/password"  # noqa: S105 - a path
     assert env["KAFKA_SSL_CA_FILE"] == "/etc/stock-ledger/kafka-ca/ca.crt"
     assert env["KAFKA_SSL_CERT_FILE"] == "/etc/stock-ledger/kafka-client/tls.crt"
     assert env["KAFKA_SSL_KEY_FILE"] == "/etc/stock-ledger/kafka-client/tls.key"
