@@ -11,7 +11,11 @@ ca_dir="${STOCK_LEDGER_CA_DIR:-${STOCK_LEDGER_STATE:-$HOME/.local/state/stock-le
 
 ca_ensure() {
   if [[ -f "$ca_dir/ca.crt" && -f "$ca_dir/ca.key" ]]; then return; fi
-  command -v openssl >/dev/null || { printf '[ca] openssl not found: apt-get install -y openssl\n' >&2; exit 1; }
+  if ! command -v openssl >/dev/null; then
+    if [[ "$(id -u)" != 0 ]]; then printf '[ca] openssl not found: sudo apt-get install -y openssl\n' >&2; exit 1; fi
+    printf '[ca] installing Debian'"'"'s openssl package (first run only)\n' >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null
+  fi
   mkdir -p "$ca_dir"
   chmod 700 "$ca_dir"
   printf '[ca] creating a local CA in %s (first run only)\n' "$ca_dir" >&2

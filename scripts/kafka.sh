@@ -137,8 +137,12 @@ logger.kafka.level = INFO
 EOF
 }
 
+# `java_cmd --exec ...` replaces the (sub)shell with the JVM, so that `$!` of a background start is the broker's
+# own pid and `stop` signals the broker, not a wrapper shell that would leave it running.
 java_cmd() {
-  java -Xms256m -Xmx"${KAFKA_HEAP:-768m}" -XX:+UseG1GC -Djava.awt.headless=true \
+  local run=""
+  if [[ "${1:-}" == --exec ]]; then run=exec; shift; fi
+  $run java -Xms256m -Xmx"${KAFKA_HEAP:-768m}" -XX:+UseG1GC -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$state/log4j2.properties" -Dkafka.logs.dir="$state/logs" \
     -cp "$cache/libs/*" "$@"
 }
@@ -171,7 +175,7 @@ start() {
       -t "$(java_cmd kafka.tools.StorageTool random-uuid)" -c "$state/server.properties" >/dev/null
   fi
   log "starting broker $KAFKA_VERSION on 127.0.0.1:$KAFKA_PORT (logs: $state/logs)"
-  java_cmd kafka.Kafka "$state/server.properties" >"$state/logs/stdout.log" 2>&1 </dev/null &
+  java_cmd --exec kafka.Kafka "$state/server.properties" >"$state/logs/stdout.log" 2>&1 </dev/null &
   echo $! >"$pidfile"
   for i in $(seq 1 120); do
     if port_open "$KAFKA_PORT" && port_open "$KAFKA_SECURE_PORT"; then

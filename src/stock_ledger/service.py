@@ -91,7 +91,7 @@ class Worker:
             self._conn = await self._retry("connect to PostgreSQL", lambda: connect_database(s))
             await check_schema(self._conn)
             self._db_ok = True
-            await self._retry("reach the Kafka cluster", lambda: check_kafka(s))
+            await self._retry("join the Kafka cluster", lambda: check_kafka(s))
             self._consumer = self._make_consumer()
             await self._retry("join the Kafka cluster", self._consumer.start)
             monitor.start()
