@@ -193,6 +193,8 @@ stop() {
   if ! running; then log "not running"; return; fi
   local pid; pid="$(cat "$pidfile")"
   log "stopping pid $pid"
+  # A pid file written by an older version of this script names the wrapper shell: signal its JVM child too.
+  pkill -TERM -P "$pid" java 2>/dev/null || true
   kill "$pid" 2>/dev/null || true
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; return; }; sleep 0.5; done
   log "broker ignored SIGTERM for 30 s: SIGKILL"; kill -9 "$pid" 2>/dev/null || true; rm -f "$pidfile"
