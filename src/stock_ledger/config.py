@@ -125,6 +125,12 @@ def _with_secret_files(environ: Mapping[str, str]) -> dict[str, str]:
     return merged
 
 
+def _verbatim_secrets(environ: Mapping[str, str]) -> dict[str, object]:
+    """The SASL password exactly as given: unlike other values it is not stripped (it may end with a space)."""
+    password = environ.get("KAFKA_SASL_PASSWORD")
+    return {"kafka_sasl_password": password} if password else {}
+
+
 def _check_security(s: Settings, environ: Mapping[str, str]) -> None:
     """Combinations that would silently connect less securely than the operator asked for are refused."""
     sasl = s.kafka_security_protocol.startswith("SASL_")
@@ -242,8 +248,8 @@ def _parse_float(name: str, raw: str, low: float, high: float) -> float:
     return value
 
 
-def _parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
-    value = raw.strip().lower()
+def _parse_choice(name: str, raw: str, choices: tuple[str, ...], case: Callable[[str], str] = str.lower) -> str:
+    value = case(raw.strip())
     if value not in choices:
         raise ConfigError(f"{name}={raw!r} must be one of {', '.join(choices)}")
     return value
@@ -277,6 +283,9 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     def choice(*choices: str) -> Callable[[str, str], str]:
         return lambda name, raw: _parse_choice(name, raw, choices)
 
+    def upper(*choices: str) -> Callable[[str, str], str]:
+        return lambda name, raw: _parse_choice(name, raw.upper(), choices, str.upper)
+
     take("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers", text)
     take("DATABASE_URL", "database_url", _parse_database_url)
     take("STOCK_LEDGER_TOPIC", "topic", _parse_topic)
@@ -299,13 +308,10 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     take("STOCK_LEDGER_LOG_FORMAT", "log_format", choice("auto", "json", "console"))
     take("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", text)
     take("STOCK_LEDGER_FAULT", "fault", text)
-    take("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol", lambda n, r: _parse_choice(n, r.lower(), (
-        "plaintext", "ssl", "sasl_plaintext", "sasl_ssl")).upper())
-    take("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", lambda n, r: _parse_choice(n, r.lower(), (
-        "plain", "scram-sha-256", "scram-sha-512")).upper())
+    take("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol", upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"))
+    take("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"))
     take("KAFKA_SASL_USERNAME", "kafka_sasl_username", text)
-    if environ.get("KAFKA_SASL_PASSWORD"):  # verbatim: a password may start or end with a space
-        values["kafka_sasl_password"] = environ["KAFKA_SASL_PASSWORD"]
+    values.update(_verbatim_secrets(environ))
     take("KAFKA_SSL_CA_FILE", "kafka_ssl_ca_file", text)
     take("KAFKA_SSL_CERT_FILE", "kafka_ssl_cert_file", text)
     take("KAFKA_SSL_KEY_FILE", "kafka_ssl_key_file", text)
