@@ -9,7 +9,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stock_ledger.clients import check_sslmode, kafka_options
@@ -32,12 +32,13 @@ WELL_FORMED = [
     "postgresql://db.internal/stock_ledger?user=worker&password={pw}&sslmode=require",
     "postgresql://worker@db.internal/stock_ledger?sslmode=verify-full&sslkey=/k&sslcert=/c&sslpassword={pw}",
 ]
+NO_HOST = "postgresql://worker:{pw}"
 MISTYPED = [
     "postgres:/worker:{pw}@db.internal/stock_ledger",
     "postgresql//worker:{pw}@db.internal/stock_ledger",
     "postgresql:worker:{pw}@db.internal",
     "worker:{pw}@db.internal:5432/stock_ledger",
-    "postgresql://worker:{pw}",
+    NO_HOST,
     "postgresql://worker:{pw}@db.internal:{pw}/stock_ledger",
     "postgresql://worker:{pw}@db.internal/stock_ledger?sslmode={pw}",
     "postgresql://worker:{pw}@db.internal/stock_ledger#{pw}",
@@ -65,9 +66,12 @@ class TestDatabaseUrlNeverShowsItsPassword:
     the userinfo, `password=` or `sslpassword=`), not typos, not a password whose '@', ':', '/', '?', '#' or '&'
     changes how the URL parses."""
 
-    @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(password, st.sampled_from(WELL_FORMED + MISTYPED), st.booleans())
     def test_no_output_contains_any_piece_of_the_password(self, pw: str, template: str, encode: bool) -> None:
+        # One shape is ambiguous by construction: with the host left out, `worker:ab@cd` IS a well-formed URL with
+        # password `ab` and host `cd`; no parser can tell, and the host is shown. (Percent-encoding avoids it.)
+        assume(encode or "@" not in pw or template != NO_HOST)
         url = template.replace("{pw}", quote(pw, safe="") if encode else pw)
         shown = _everything_shown(url)
         assert not _leaks(shown), f"{url!r} showed {shown!r}"
