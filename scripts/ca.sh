@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # A local certificate authority shared by scripts/kafka.sh and scripts/postgres.sh (sourced, not run).
 #
 # The CA lives in $STOCK_LEDGER_CA_DIR (default: <state>/ca); it is created on first use only, so certificates

@@ -141,7 +141,7 @@ EOF
 # own pid and `stop` signals the broker, not a wrapper shell that would leave it running.
 java_cmd() {
   local run=""
-  if [[ "${1:-}" == --exec ]]; then run=exec; shift; fi
+  if [[ "${1:-}" == --exec ]]; then run="exec"; shift; fi
   $run java -Xms256m -Xmx"${KAFKA_HEAP:-768m}" -XX:+UseG1GC -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$state/log4j2.properties" -Dkafka.logs.dir="$state/logs" \
     -cp "$cache/libs/*" "$@"
