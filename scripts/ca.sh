@@ -18,7 +18,7 @@ ca_ensure() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null
   fi
   mkdir -p "$ca_dir"
-  chmod 700 "$ca_dir"
+  chmod 755 "$ca_dir"  # ca.crt is public; ca.key is 0600
   printf '[ca] creating a local CA in %s (first run only)\n' "$ca_dir" >&2
   openssl req -x509 -new -newkey rsa:2048 -nodes -sha256 -days 3650 -subj "/CN=stock-ledger local CA" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
