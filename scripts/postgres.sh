@@ -5,6 +5,11 @@
 #   scripts/postgres.sh stop | restart | status
 #   scripts/postgres.sh url        # prints the owner's DATABASE_URL
 #   scripts/postgres.sh worker-url # prints the least-privileged worker's DATABASE_URL
+#   scripts/postgres.sh verify-full-url # the worker's URL with sslmode=verify-full and the local CA as sslrootcert
+#
+# TLS: the server presents a certificate for 127.0.0.1 issued by the local CA of scripts/ca.sh (shared with
+# scripts/kafka.sh), applied with a reload on every start (ssl settings need no restart); re-issued only if the
+# CA changed.
 #
 # Roles created (idempotent):
 #   stock_ledger         owner of database stock_ledger; runs migrations; CREATEDB/CREATEROLE for tests
@@ -16,11 +21,15 @@ PGPORT="${PGPORT:-5432}"
 OWNER_PASSWORD="${STOCK_LEDGER_DB_PASSWORD:-stock_ledger}"
 WORKER_PASSWORD="${STOCK_LEDGER_WORKER_PASSWORD:-stock_ledger_worker}"
 state="${STOCK_LEDGER_STATE:-$HOME/.local/state/stock-ledger}/postgres"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=scripts/ca.sh
+source "$here/ca.sh"
 
 log() { printf '[postgres] %s\n' "$*" >&2; }
 
 owner_url() { echo "postgresql://stock_ledger:$OWNER_PASSWORD@127.0.0.1:$PGPORT/stock_ledger"; }
 worker_url() { echo "postgresql://stock_ledger_worker:$WORKER_PASSWORD@127.0.0.1:$PGPORT/stock_ledger"; }
+verify_full_url() { echo "$(worker_url)?sslmode=verify-full&sslrootcert=$ca_dir/ca.crt"; }
 
 pg_bin() {
   local v
@@ -104,10 +113,40 @@ GRANT stock_ledger_app TO stock_ledger_worker;
 GRANT stock_ledger_app TO stock_ledger WITH ADMIN OPTION;
 -- Tests terminate worker sessions (pg_terminate_backend) to prove the retry path.
 GRANT pg_signal_backend TO stock_ledger;
+-- Tests read pg_stat_ssl of worker sessions to prove they run over TLS.
+GRANT pg_read_all_stats TO stock_ledger;
 SQL
   if ! psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'stock_ledger'" | grep -q 1; then
     psql_admin -c "CREATE DATABASE stock_ledger OWNER stock_ledger"
   fi
+}
+
+# The server certificate from the local CA. As root the Debian cluster reads it from /etc/postgresql (the postgres
+# user cannot read root's state dir) through a conf.d file; a private cluster gets it with ALTER SYSTEM. Either
+# way a reload applies it: the running cluster is never restarted.
+ensure_tls() {
+  ca_issue "$state/tls" server "IP:127.0.0.1"
+  if as_root; then
+    local ver; ver="$(basename "$(dirname "$(pg_bin)")")"
+    local etc="/etc/postgresql/$ver/stockledger"
+    if cmp -s "$state/tls/server.crt" "$etc/tls/server.crt" && [[ -f "$etc/conf.d/stock-ledger-tls.conf" ]]; then
+      return
+    fi
+    install -d -o postgres -g postgres -m 700 "$etc/tls"
+    install -o postgres -g postgres -m 600 "$state/tls/server.key" "$etc/tls/server.key"
+    install -o postgres -g postgres -m 644 "$state/tls/server.crt" "$etc/tls/server.crt"
+    printf "ssl = on\nssl_cert_file = '%s'\nssl_key_file = '%s'\nssl_min_protocol_version = 'TLSv1.2'\n" \
+      "$etc/tls/server.crt" "$etc/tls/server.key" >"$etc/conf.d/stock-ledger-tls.conf"
+    pg_ctlcluster "$ver" stockledger reload
+  else
+    psql_admin <<SQL
+ALTER SYSTEM SET ssl = on;
+ALTER SYSTEM SET ssl_cert_file = '$state/tls/server.crt';
+ALTER SYSTEM SET ssl_key_file = '$state/tls/server.key';
+SELECT pg_reload_conf();
+SQL
+  fi
+  log "TLS on with a certificate for 127.0.0.1 from $ca_dir/ca.crt"
 }
 
 start() {
@@ -118,6 +157,7 @@ start() {
   ensure_installed
   if ready; then log "already running on port $PGPORT"; else start_cluster; fi
   ensure_roles
+  ensure_tls
   log "ready: $(owner_url | sed 's/:[^:@]*@/:***@/')"
 }
 
@@ -137,5 +177,6 @@ case "${1:-start}" in
   status) if ready; then echo running; else echo stopped; exit 1; fi ;;
   url) owner_url ;;
   worker-url) worker_url ;;
-  *) echo "usage: $0 start|stop|restart|status|url|worker-url" >&2; exit 2 ;;
+  verify-full-url) verify_full_url ;;
+  *) echo "usage: $0 start|stop|restart|status|url|worker-url|verify-full-url" >&2; exit 2 ;;
 esac

@@ -76,7 +76,9 @@ def services() -> Iterator[Services]:
         return
     _script("kafka.sh", "start")
     _script("postgres.sh", "start")
-    yield Services("127.0.0.1:9092", _script("postgres.sh", "url"), origin="scripts", root=ROOT)
+    # KAFKA_PORT: the port scripts/kafka.sh uses (a second broker of one's own runs on another).
+    yield Services(f"127.0.0.1:{os.environ.get('KAFKA_PORT', '9092')}", _script("postgres.sh", "url"), origin="scripts",
+                   root=ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -88,30 +88,36 @@ async def _migrate(settings: Settings) -> int:
 
 
 async def _create_topic(settings: Settings, args: argparse.Namespace) -> int:
+    from stock_ledger.clients import check_kafka, kafka_options  # noqa: PLC0415
     from stock_ledger.topics import ensure_topic  # noqa: PLC0415
 
+    await check_kafka(settings)
     created = await ensure_topic(settings.kafka_bootstrap_servers, settings.topic, args.partitions,
-                                 args.replication_factor)
+                                 args.replication_factor, options=kafka_options(settings))
     print(f"topic {settings.topic}: {'created' if created else 'already exists'}")
     return 0
 
 
 async def _produce(settings: Settings, args: argparse.Namespace) -> int:
+    from stock_ledger.clients import check_kafka, kafka_options  # noqa: PLC0415
     from stock_ledger.produce import produce  # noqa: PLC0415
     from stock_ledger.topics import ensure_topic  # noqa: PLC0415
 
     if args.count < 0 or (args.rate is not None and args.rate <= 0) or args.skus < 1 or args.warehouses < 1:
         raise ConfigError("--count must be >= 0, --rate > 0, --skus and --warehouses >= 1")
-    await ensure_topic(settings.kafka_bootstrap_servers, settings.topic)
+    await check_kafka(settings)
+    await ensure_topic(settings.kafka_bootstrap_servers, settings.topic, options=kafka_options(settings))
     await produce(settings.kafka_bootstrap_servers, settings.topic, args.count, rate=args.rate, skus=args.skus,
-                  warehouses=args.warehouses, seed=args.seed)
+                  warehouses=args.warehouses, seed=args.seed, options=kafka_options(settings))
     return 0
 
 
 async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from stock_ledger.clients import check_kafka  # noqa: PLC0415
     from stock_ledger.verify import verify, wait_for_drain  # noqa: PLC0415
 
     settings.require_database_url()
+    await check_kafka(settings)
     if args.wait > 0 and not await wait_for_drain(settings, args.wait):
         print(f"verify: the ledger did not catch up within {args.wait:g}s; checking anyway", file=sys.stderr)
     report = await verify(settings, args.expect)
@@ -120,9 +126,10 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _gaps(settings: Settings, args: argparse.Namespace) -> int:
+    from stock_ledger.clients import connect_database  # noqa: PLC0415
     from stock_ledger.gaps import acknowledge, list_gaps  # noqa: PLC0415
 
-    conn = await asyncpg.connect(settings.require_database_url(), timeout=10)
+    conn = await connect_database(settings, application_name="stock-ledger-gaps")
     try:
         if args.gaps_command == "ack":
             if not args.note.strip():

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
+from urllib.parse import parse_qsl, urlsplit
 
 from stock_ledger.errors import ConfigError
 
@@ -23,12 +25,154 @@ OnGap = Literal["halt", "record"]
 _T = TypeVar("_T")
 
 
+# ------------------------------------------------------------------------------ security settings (issue 11)
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
+# Weakest first: a URL whose mode sorts before STOCK_LEDGER_DATABASE_SSLMODE_MIN refuses to start.
+SSLMODES: tuple[SslMode, ...] = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+_NOT_SHOWN = "(the value is not shown: it may contain a password)"
+# Query parameters whose values are shown when a URL is logged; any other value is masked (password,
+# sslpassword, and whatever a mistyped password spilled into the query).
+_SHOWN_PARAMS = frozenset({
+    "sslmode", "sslrootcert", "sslcert", "sslkey", "sslcrl", "sslnegotiation", "ssl_min_protocol_version",
+    "ssl_max_protocol_version", "target_session_attrs", "application_name", "host", "port", "user", "dbname",
+    "database", "passfile", "service", "krbsrvname", "gsslib",
+})
+_PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_.]*$")
+_PORT = re.compile(r"^[0-9]{1,5}$")
+
+
+def _check_database_url(url: str) -> None:
+    """Raise ValueError (a message without any part of the URL) unless asyncpg reads `url` the way it looks.
+
+    asyncpg splits the userinfo at the FIRST '@' and the password at the first ':'; urllib ends the authority at
+    the first '/', '?' or '#'. A password holding any of these unencoded would be read as host, port, path or
+    query, and could then be printed as such: all of these shapes are refused, with the fix.
+    """
+    if not url.startswith(("postgresql://", "postgres://")):
+        raise ValueError("must start with postgresql:// (postgresql://user:password@host:5432/dbname)")
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError("is not a valid URL (postgresql://user:password@host:5432/dbname)") from None
+    encode = "percent-encode '@', ':', '/', '?', '#' and '%' in the user name and password (e.g. '@' as %40)"
+    if parts.netloc.count("@") > 1 or "@" in parts.path + parts.query + parts.fragment or parts.fragment:
+        raise ValueError(f"has an unencoded special character in its user name or password: {encode}")
+    for host in parts.netloc.rpartition("@")[2].split(","):
+        port = host.rpartition("]")[2].partition(":")[2] if ":" in host.rpartition("]")[2] else None
+        if port is not None and not (_PORT.match(port) and 0 < int(port) < 65536):
+            raise ValueError(f"has a port that is not a number from 1 to 65535 (or {encode})")
+    try:
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True) if parts.query else []
+    except ValueError:
+        raise ValueError(f"has a malformed query string: use ?name=value&name=value ({encode})") from None
+    for key, value in query:
+        if key == "sslmode" and value not in SSLMODES:
+            raise ValueError(f"has an unknown sslmode: use one of {', '.join(SSLMODES)}")
+
+
+def url_sslmode(url: str, environ: Mapping[str, str]) -> SslMode:
+    """The sslmode asyncpg will use: the URL's, else PGSSLMODE's, else its default `prefer`."""
+    query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    mode = query.get("sslmode") or environ.get("PGSSLMODE") or "prefer"
+    return mode if mode in SSLMODES else "prefer"
+
+
 def _mask(url: str | None) -> str | None:
-    """Hide the password of a connection URL so settings can be logged."""
+    """The URL with every secret replaced by ***, rebuilt from its parts so that no shape can leak one.
+
+    Only a URL that passed `_check_database_url` is shown at all; it keeps user, hosts, database and the known
+    non-secret parameters, so an operator still sees where the worker connects.
+    """
     if url is None:
         return None
-    url = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
-    return re.sub(r"([?&]password=)[^&]*", r"\1***", url)
+    try:
+        _check_database_url(url)
+    except ValueError:
+        return f"<malformed DATABASE_URL, not shown> {_NOT_SHOWN}"
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    params = [f"{k}={v}" if k in _SHOWN_PARAMS else f"{k}=***"
+              for k, v in parse_qsl(parts.query, keep_blank_values=True) if _PARAM_NAME.match(k)]
+    query = f"?{'&'.join(params)}" if params else ""
+    return f"{parts.scheme}://{user}{':***' if colon else ''}{at}{hosts}{parts.path}{query}"
+
+
+def _read_secret_file(name: str, path: str) -> str:
+    """The content of a mounted secret, without the trailing newline editors and `kubectl create secret` add."""
+    try:
+        value = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError(f"{name}={path!r} cannot be read: {exc.strerror or type(exc).__name__}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}={path!r} is not UTF-8 text") from None
+    if not value:
+        raise ConfigError(f"{name}={path!r} is empty")
+    return value
+
+
+def _with_secret_files(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with each secret read from its *_FILE variable (Kubernetes mounts secrets as files)."""
+    merged = dict(environ)
+    for name in ("DATABASE_URL", "KAFKA_SASL_PASSWORD"):
+        path = environ.get(f"{name}_FILE", "").strip()
+        if not path:
+            continue
+        if environ.get(name, "").strip():
+            raise ConfigError(f"both {name} and {name}_FILE are set: set only one")
+        merged[name] = _read_secret_file(f"{name}_FILE", path)
+    return merged
+
+
+def _verbatim_secrets(environ: Mapping[str, str]) -> dict[str, object]:
+    """The SASL password exactly as given: unlike other values it is not stripped (it may end with a space)."""
+    password = environ.get("KAFKA_SASL_PASSWORD")
+    return {"kafka_sasl_password": password} if password else {}
+
+
+def _check_security(s: Settings, environ: Mapping[str, str]) -> None:
+    """Combinations that would silently connect less securely than the operator asked for are refused."""
+    sasl = s.kafka_security_protocol.startswith("SASL_")
+    tls = s.kafka_security_protocol.endswith("SSL")
+    if sasl:
+        missing = [n for n, v in (("KAFKA_SASL_MECHANISM", s.kafka_sasl_mechanism),
+                                  ("KAFKA_SASL_USERNAME", s.kafka_sasl_username),
+                                  ("KAFKA_SASL_PASSWORD (or KAFKA_SASL_PASSWORD_FILE)", s.kafka_sasl_password))
+                   if not v]
+        if missing:
+            raise ConfigError(f"KAFKA_SECURITY_PROTOCOL={s.kafka_security_protocol} needs {', '.join(missing)}")
+    elif s.kafka_sasl_mechanism or s.kafka_sasl_username or s.kafka_sasl_password:
+        raise ConfigError(f"KAFKA_SASL_* is set but KAFKA_SECURITY_PROTOCOL={s.kafka_security_protocol} does not "
+                          "authenticate: set KAFKA_SECURITY_PROTOCOL=SASL_SSL (or unset the KAFKA_SASL_* variables)")
+    files = {"KAFKA_SSL_CA_FILE": s.kafka_ssl_ca_file, "KAFKA_SSL_CERT_FILE": s.kafka_ssl_cert_file,
+             "KAFKA_SSL_KEY_FILE": s.kafka_ssl_key_file}
+    if not tls and any(files.values()):
+        raise ConfigError(f"KAFKA_SSL_* is set but KAFKA_SECURITY_PROTOCOL={s.kafka_security_protocol} does not use "
+                          "TLS: set KAFKA_SECURITY_PROTOCOL=SSL or SASL_SSL")
+    if bool(s.kafka_ssl_cert_file) != bool(s.kafka_ssl_key_file):
+        raise ConfigError("KAFKA_SSL_CERT_FILE and KAFKA_SSL_KEY_FILE go together (mutual TLS): set both or neither")
+    for name, path in files.items():
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{name}={path!r} is not a readable file")
+    if s.database_url is not None:
+        mode = url_sslmode(s.database_url, environ)
+        if SSLMODES.index(mode) < SSLMODES.index(s.database_sslmode_min):
+            raise ConfigError(
+                f"DATABASE_URL uses sslmode={mode}, weaker than STOCK_LEDGER_DATABASE_SSLMODE_MIN="
+                f"{s.database_sslmode_min}: add ?sslmode={s.database_sslmode_min}&sslrootcert=<CA file> to the URL"
+            )
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name}={raw!r} must be true or false")
+# ------------------------------------------------------------------------------ end of security settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +203,16 @@ class Settings:
     migrations_dir: str | None = None
     # Test-only crash points, see faults.py. Never set in production.
     fault: str | None = None
+    # Connection security (README "Security"); secrets stay out of repr and are masked in loggable().
+    kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
+    kafka_sasl_mechanism: SaslMechanism | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = field(default=None, repr=False)
+    kafka_ssl_ca_file: str | None = None
+    kafka_ssl_cert_file: str | None = None
+    kafka_ssl_key_file: str | None = None
+    kafka_ssl_check_hostname: bool = True
+    database_sslmode_min: SslMode = "disable"
 
     @property
     def database_url_masked(self) -> str | None:
@@ -74,6 +228,7 @@ class Settings:
     def loggable(self) -> dict[str, object]:
         values = dataclasses.asdict(self)
         values["database_url"] = self.database_url_masked
+        values["kafka_sasl_password"] = "***" if self.kafka_sasl_password else None
         return values
 
 
@@ -97,15 +252,20 @@ def _parse_float(name: str, raw: str, low: float, high: float) -> float:
     return value
 
 
-def _parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
-    value = raw.strip().lower()
+def _parse_choice(name: str, raw: str, choices: tuple[str, ...], case: Callable[[str], str] = str.lower) -> str:
+    value = case(raw.strip())
     if value not in choices:
         raise ConfigError(f"{name}={raw!r} must be one of {', '.join(choices)}")
     return value
 
 
 def load_settings(environ: Mapping[str, str]) -> Settings:
-    """Build `Settings` from an environment mapping; raise `ConfigError` naming the first bad variable."""
+    """Build `Settings` from an environment mapping; raise `ConfigError` naming the first bad variable.
+
+    Pure over `environ` except for reading the files it names: the *_FILE secrets, and a check that the
+    KAFKA_SSL_*_FILE paths exist (their content is parsed when a client is built, see clients.kafka_options).
+    """
+    environ = _with_secret_files(environ)
     values: dict[str, object] = {}
 
     def take(name: str, attr: str, parse: Callable[[str, str], _T]) -> None:
@@ -126,6 +286,9 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
 
     def choice(*choices: str) -> Callable[[str, str], str]:
         return lambda name, raw: _parse_choice(name, raw, choices)
+
+    def upper(*choices: str) -> Callable[[str, str], str]:
+        return lambda name, raw: _parse_choice(name, raw.upper(), choices, str.upper)
 
     take("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers", text)
     take("DATABASE_URL", "database_url", _parse_database_url)
@@ -150,6 +313,15 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     take("STOCK_LEDGER_LOG_FORMAT", "log_format", choice("auto", "json", "console"))
     take("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", text)
     take("STOCK_LEDGER_FAULT", "fault", text)
+    take("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol", upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"))
+    take("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"))
+    take("KAFKA_SASL_USERNAME", "kafka_sasl_username", text)
+    values.update(_verbatim_secrets(environ))
+    take("KAFKA_SSL_CA_FILE", "kafka_ssl_ca_file", text)
+    take("KAFKA_SSL_CERT_FILE", "kafka_ssl_cert_file", text)
+    take("KAFKA_SSL_KEY_FILE", "kafka_ssl_key_file", text)
+    take("KAFKA_SSL_CHECK_HOSTNAME", "kafka_ssl_check_hostname", _parse_bool)
+    take("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", choice(*SSLMODES))
 
     settings = Settings(**values)  # type: ignore[arg-type]
     if settings.rebalance_timeout_ms < settings.session_timeout_ms:
@@ -157,6 +329,7 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
             "STOCK_LEDGER_REBALANCE_TIMEOUT_MS must be >= STOCK_LEDGER_SESSION_TIMEOUT_MS "
             f"({settings.rebalance_timeout_ms} < {settings.session_timeout_ms})"
         )
+    _check_security(settings, environ)
     return settings
 
 
@@ -169,8 +342,10 @@ def _parse_deadline(name: str, raw: str) -> float:
 
 
 def _parse_database_url(name: str, raw: str) -> str:
-    if not raw.startswith(("postgresql://", "postgres://")):
-        raise ConfigError(f"{name} must start with postgresql:// (got {_mask(raw)!r})")
+    try:
+        _check_database_url(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name} {exc} {_NOT_SHOWN}") from None
     return raw
 
 

@@ -2,6 +2,7 @@
 
     StockLedgerError                 base: fatal for the process (exit 1, one log line saying what to do)
     ├── ConfigError                  bad configuration: exit code 2, one line naming the variable
+    ├── ConnectionSecurityError      wrong credentials or an unverifiable certificate: fatal at once, one line
     ├── FencedError                  another worker claimed the partition since we did: stop writing it
     ├── LedgerIntegrityError         the ledger refused a write that would break it: fatal, loud
     │   ├── OffsetRegressionError    a batch starts before the stored offset under our own epoch (a replay)
@@ -21,6 +22,10 @@ class StockLedgerError(Exception):
 
 class ConfigError(StockLedgerError):
     pass
+
+
+class ConnectionSecurityError(StockLedgerError):
+    """Authentication or certificate verification failed: retrying cannot help, so never retried."""
 
 
 class FencedError(StockLedgerError):

@@ -18,17 +18,19 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Final
 
-import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger.clients import create_database_pool, kafka_options
 from stock_ledger.gaps import find_gap
 from stock_ledger.lease import Lease, lease_key
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
+
+    import asyncpg
 
     from stock_ledger.config import Settings
     from stock_ledger.metrics import Metrics
@@ -93,10 +95,7 @@ class PositionMonitor:
 
     async def _db(self) -> asyncpg.Pool:
         if self._pool is None:
-            self._pool = await asyncpg.create_pool(
-                self._s.require_database_url(), min_size=0, max_size=1, timeout=5,
-                server_settings={"application_name": "stock-ledger-metrics"},
-            )
+            self._pool = await create_database_pool(self._s, application_name="stock-ledger-metrics")
         return self._pool
 
     async def _positions(self) -> None:
@@ -104,13 +103,14 @@ class PositionMonitor:
         if self._kafka is None:
             # Reads one record per lagging partition (its timestamp is the lag in seconds), nothing more.
             self._kafka = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap_servers, enable_auto_commit=False,
-                                           isolation_level="read_committed", max_partition_fetch_bytes=64 * 1024)
+                                           isolation_level="read_committed", max_partition_fetch_bytes=64 * 1024,
+                                           **kafka_options(s))
             await self._kafka.start()
         if self._admin is None:
-            self._admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers)
+            self._admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers, **kafka_options(s))
             await self._admin.start()
         if not self._partitions:
-            self._partitions = await partitions_of(s.kafka_bootstrap_servers, s.topic)
+            self._partitions = await partitions_of(s.kafka_bootstrap_servers, s.topic, options=kafka_options(s))
         tps = [TopicPartition(s.topic, p) for p in self._partitions]
         if self._kafka.assignment() != set(tps):
             self._kafka.assign(tps)

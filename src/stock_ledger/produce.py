@@ -7,7 +7,7 @@ import random
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiokafka import AIOKafkaProducer
 
@@ -15,7 +15,7 @@ from stock_ledger.domain import Movement, encode
 from stock_ledger.progress import Progress
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Mapping
 
 _BASE: Final = datetime(2026, 1, 1, tzinfo=UTC)
 # (kind, weight, sign): picks dominate a warehouse's day; receipts keep stock positive on average.
@@ -46,7 +46,7 @@ def movements(count: int, skus: int = 1000, warehouses: int = 4, seed: int = 1) 
 
 async def produce(  # noqa: PLR0913 - the CLI's flags, one to one
     bootstrap: str, topic: str, count: int, *, rate: float | None = None, skus: int = 1000, warehouses: int = 4,
-    seed: int = 1, show_progress: bool = True,
+    seed: int = 1, show_progress: bool = True, options: Mapping[str, Any] | None = None,
 ) -> int:
     """Send `count` movements (at `rate` per second if given) with an idempotent producer; return the count."""
     producer = AIOKafkaProducer(
@@ -56,6 +56,7 @@ async def produce(  # noqa: PLR0913 - the CLI's flags, one to one
         linger_ms=5,
         max_batch_size=512 * 1024,
         request_timeout_ms=30_000,
+        **(options or {}),  # security settings, clients.kafka_options
     )
     await producer.start()
     progress = Progress(f"produce {topic}", count) if show_progress else None

@@ -17,7 +17,6 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import IllegalStateError, KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
@@ -26,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from stock_ledger.assignment import Assignment
 from stock_ledger.claims import Claimer
+from stock_ledger.clients import check_kafka, connect_database, kafka_options
 from stock_ledger.errors import FencedError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
@@ -39,27 +39,17 @@ from stock_ledger.topics import refuse_compacted
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import asyncpg
+
     from stock_ledger.config import Settings
 
 log = structlog.get_logger(__name__)
 
 
 async def connect(settings: Settings) -> asyncpg.Connection:
-    """One session with the timeouts that keep a frozen peer from blocking the group forever."""
-    return await asyncpg.connect(
-        settings.require_database_url(),
-        timeout=10,
-        server_settings={
-            # Names the group, so a claim can tell a zombie of its own group among the sessions that block it.
-            "application_name": session_name(settings.group_id),
-            # A claim waiting on a zombie's row lock gives up (and retries) instead of stalling the rebalance.
-            "lock_timeout": str(settings.lock_timeout_ms),
-            # A worker frozen inside its transaction loses its session, so its row locks are released.
-            "idle_in_transaction_session_timeout": str(settings.idle_in_transaction_timeout_ms),
-            # Detect a peer that vanished without a FIN (a node lost) within about a minute.
-            "tcp_keepalives_idle": "30", "tcp_keepalives_interval": "10", "tcp_keepalives_count": "3",
-        },
-    )
+    """The worker's session; its application_name names the group, so a claim can tell a zombie of its own group
+    among the sessions that block it."""
+    return await connect_database(settings, application_name=session_name(settings.group_id))
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -119,9 +109,12 @@ class Worker:
             self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect, s), "startup.retry")
             await check_schema(self._conn)
             self._db_ok = True
+            # One plain connection first: aiokafka reports a bad password or certificate only as "Unable to
+            # bootstrap"; this names the cause and fails fast, where a retry cannot help.
+            await self._retry("join the Kafka cluster", functools.partial(check_kafka, s), "startup.retry")
             await self._retry("join the Kafka cluster", self.consumer.start, "startup.retry")
             await self._retry("read the topic's configuration", functools.partial(
-                refuse_compacted, s.kafka_bootstrap_servers, s.topic), "startup.retry")
+                refuse_compacted, s.kafka_bootstrap_servers, s.topic, options=kafka_options(s)), "startup.retry")
             monitor.start()
             await self._main_loop()
         except Abandoned as exc:
@@ -153,6 +146,7 @@ class Worker:
             rebalance_timeout_ms=s.rebalance_timeout_ms,
             max_poll_interval_ms=max(300_000, s.rebalance_timeout_ms),
             fetch_max_wait_ms=min(500, s.batch_max_wait_ms),
+            **kafka_options(s),
         )
         consumer.subscribe([s.topic], listener=_Listener(self))
         return consumer

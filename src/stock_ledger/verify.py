@@ -7,16 +7,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger.clients import connect_database, kafka_options
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.gaps import find_gap, unacknowledged
 from stock_ledger.progress import Progress
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
+    import asyncpg
+
     from stock_ledger.config import Settings
 
 
@@ -53,11 +55,13 @@ async def read_topic(
 ) -> tuple[dict[int, list[int]], dict[int, int], dict[int, int]]:
     """Every committed record's offset per partition, and the log start and end offsets."""
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False,
-                                isolation_level="read_committed", max_partition_fetch_bytes=4 * 1024 * 1024)
+                                isolation_level="read_committed", max_partition_fetch_bytes=4 * 1024 * 1024,
+                                **kafka_options(settings))
     await consumer.start()
     try:
         tps = [TopicPartition(settings.topic, p)
-               for p in await partitions_of(settings.kafka_bootstrap_servers, settings.topic)]
+               for p in await partitions_of(settings.kafka_bootstrap_servers, settings.topic,
+                                            options=kafka_options(settings))]
         if not tps:
             raise StockLedgerError(f"topic {settings.topic} does not exist at {settings.kafka_bootstrap_servers}")
         consumer.assign(tps)
@@ -86,7 +90,7 @@ async def read_topic(
 
 
 async def _committed(settings: Settings) -> dict[int, int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers, **kafka_options(settings))
     await admin.start()
     try:
         found = await admin.list_consumer_group_offsets(settings.group_id)
@@ -107,13 +111,14 @@ async def wait_for_drain(settings: Settings, seconds: float) -> bool:
     """Wait until the stored offsets reach every partition's log end; True if they did in time."""
     deadline = time.monotonic() + seconds
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False,
-                                isolation_level="read_committed")
+                                isolation_level="read_committed", **kafka_options(settings))
     await consumer.start()
-    conn = await asyncpg.connect(settings.require_database_url())
+    conn = await connect_database(settings, application_name="stock-ledger-verify")
     try:
         while True:
             tps = [TopicPartition(settings.topic, p)
-                   for p in await partitions_of(settings.kafka_bootstrap_servers, settings.topic)]
+                   for p in await partitions_of(settings.kafka_bootstrap_servers, settings.topic,
+                                                options=kafka_options(settings))]
             ends = await consumer.end_offsets(tps) if tps else {}
             stored = {r[0]: r[1] for r in await conn.fetch(
                 "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
@@ -135,7 +140,7 @@ async def verify(settings: Settings, expect: int | None = None, show_progress: b
     report = Report()
     topic_offsets, log_starts, log_ends = await read_topic(settings, show_progress)
     committed = await _committed(settings)
-    conn = await asyncpg.connect(settings.require_database_url())
+    conn = await connect_database(settings, application_name="stock-ledger-verify")
     try:
         async with conn.transaction(isolation="repeatable_read", readonly=True):
             report.rows, report.distinct_sources = await conn.fetchrow(

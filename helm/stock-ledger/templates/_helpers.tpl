@@ -191,3 +191,137 @@ seccompProfile:
 {{- define "stock-ledger.chaosName" -}}
 {{- printf "%s-chaos" (include "stock-ledger.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{/* ---------------------------------------------------------------- connection security (README "Security") */}}
+
+{{- define "stock-ledger.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "stock-ledger.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+A read-only volume holding one file `path` from an existing Secret or ConfigMap.
+Call with (dict "name" "kafka-ca" "secret" "..." "configMap" "..." "key" "ca.crt" "path" "ca.crt").
+*/}}
+{{- define "stock-ledger.fileVolume" -}}
+- name: {{ .name }}
+  {{- if .secret }}
+  secret:
+    secretName: {{ .secret }}
+    defaultMode: 0440
+  {{- else }}
+  configMap:
+    name: {{ .configMap }}
+    defaultMode: 0444
+  {{- end }}
+    items:
+      - key: {{ .key }}
+        path: {{ .path }}
+{{- end }}
+
+{{- define "stock-ledger.kafkaSasl" -}}
+{{- if hasPrefix "SASL_" .Values.kafka.security.protocol }}true{{ end }}
+{{- end }}
+
+{{- define "stock-ledger.kafkaTls" -}}
+{{- if hasSuffix "SSL" .Values.kafka.security.protocol }}true{{ end }}
+{{- end }}
+
+{{- define "stock-ledger.databaseTlsEnv" -}}
+{{- with .Values.database.sslmodeMin }}
+- name: STOCK_LEDGER_DATABASE_SSLMODE_MIN
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "stock-ledger.databaseCaVolume" -}}
+{{- $ca := .Values.database.ca }}
+{{- if or $ca.secretName $ca.configMapName }}
+{{ include "stock-ledger.fileVolume" (dict "name" "database-ca" "secret" $ca.secretName "configMap" $ca.configMapName "key" $ca.key "path" "ca.crt") }}
+{{- end }}
+{{- end }}
+
+{{- define "stock-ledger.databaseCaMount" -}}
+{{- if or .Values.database.ca.secretName .Values.database.ca.configMapName }}
+- name: database-ca
+  mountPath: /etc/stock-ledger/database-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+KAFKA_SECURITY_PROTOCOL and what it needs; the password and the client key are files from existing Secrets.
+*/}}
+{{- define "stock-ledger.securityEnv" -}}
+{{- $sec := .Values.kafka.security }}
+- name: KAFKA_SECURITY_PROTOCOL
+  value: {{ $sec.protocol | quote }}
+{{- if include "stock-ledger.kafkaSasl" . }}
+- name: KAFKA_SASL_MECHANISM
+  value: {{ $sec.sasl.mechanism | quote }}
+- name: KAFKA_SASL_USERNAME
+  value: {{ $sec.sasl.username | quote }}
+- name: KAFKA_SASL_PASSWORD_FILE
+  value: /etc/stock-ledger/kafka-sasl/password
+{{- end }}
+{{- if include "stock-ledger.kafkaTls" . }}
+{{- if or $sec.tls.ca.secretName $sec.tls.ca.configMapName }}
+- name: KAFKA_SSL_CA_FILE
+  value: /etc/stock-ledger/kafka-ca/ca.crt
+{{- end }}
+{{- if $sec.tls.clientCertSecret }}
+- name: KAFKA_SSL_CERT_FILE
+  value: /etc/stock-ledger/kafka-client/tls.crt
+- name: KAFKA_SSL_KEY_FILE
+  value: /etc/stock-ledger/kafka-client/tls.key
+{{- end }}
+- name: KAFKA_SSL_CHECK_HOSTNAME
+  value: {{ $sec.tls.checkHostname | quote }}
+{{- end }}
+{{- include "stock-ledger.databaseTlsEnv" . }}
+{{- end }}
+
+{{- define "stock-ledger.securityVolumes" -}}
+{{- $sec := .Values.kafka.security }}
+{{- if include "stock-ledger.kafkaSasl" . }}
+{{ include "stock-ledger.fileVolume" (dict "name" "kafka-sasl" "secret" $sec.sasl.passwordSecret.name "key" $sec.sasl.passwordSecret.key "path" "password") }}
+{{- end }}
+{{- if and (include "stock-ledger.kafkaTls" .) (or $sec.tls.ca.secretName $sec.tls.ca.configMapName) }}
+{{ include "stock-ledger.fileVolume" (dict "name" "kafka-ca" "secret" $sec.tls.ca.secretName "configMap" $sec.tls.ca.configMapName "key" $sec.tls.ca.key "path" "ca.crt") }}
+{{- end }}
+{{- if and (include "stock-ledger.kafkaTls" .) $sec.tls.clientCertSecret }}
+- name: kafka-client
+  secret:
+    secretName: {{ $sec.tls.clientCertSecret }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
+{{- include "stock-ledger.databaseCaVolume" . }}
+{{- end }}
+
+{{- define "stock-ledger.securityVolumeMounts" -}}
+{{- $sec := .Values.kafka.security }}
+{{- if include "stock-ledger.kafkaSasl" . }}
+- name: kafka-sasl
+  mountPath: /etc/stock-ledger/kafka-sasl
+  readOnly: true
+{{- end }}
+{{- if and (include "stock-ledger.kafkaTls" .) (or $sec.tls.ca.secretName $sec.tls.ca.configMapName) }}
+- name: kafka-ca
+  mountPath: /etc/stock-ledger/kafka-ca
+  readOnly: true
+{{- end }}
+{{- if and (include "stock-ledger.kafkaTls" .) $sec.tls.clientCertSecret }}
+- name: kafka-client
+  mountPath: /etc/stock-ledger/kafka-client
+  readOnly: true
+{{- end }}
+{{- include "stock-ledger.databaseCaMount" . }}
+{{- end }}
