@@ -53,6 +53,10 @@ class Settings:
     log_level: str = "info"
     log_format: LogFormat = "auto"
     migrations_dir: str | None = None
+    # `stock-ledger migrate`: how long to wait for the database and retry lock timeouts, and the DDL's timeouts.
+    migrate_deadline_seconds: float = 240.0
+    migrate_lock_timeout_ms: int = 2_000
+    migrate_statement_timeout_ms: int = 600_000
     # Test-only crash points, see faults.py. Never set in production.
     fault: str | None = None
 
@@ -134,7 +138,8 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     take("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", ints(1, 100_000))
     take("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", ints(1, 60_000))
     take("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", choice("earliest", "latest", "none"))
-    take("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", floats(1, 86_400))
+    # 0 = retry forever (the chart's default: stay alive and NotReady rather than crash-loop with back-off).
+    take("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", _deadline)
     take("STOCK_LEDGER_LOCK_TIMEOUT_MS", "lock_timeout_ms", ints(100, 600_000))
     take("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms", ints(1_000, 3_600_000))
     take("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", floats(0.1, 600))
@@ -145,6 +150,9 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     take("STOCK_LEDGER_LOG_FORMAT", "log_format", choice("auto", "json", "console"))
     take("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", text)
     take("STOCK_LEDGER_FAULT", "fault", text)
+    take("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "migrate_deadline_seconds", floats(1, 86_400))
+    take("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "migrate_lock_timeout_ms", ints(10, 600_000))
+    take("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "migrate_statement_timeout_ms", ints(1_000, 86_400_000))
 
     settings = Settings(**values)  # type: ignore[arg-type]
     if settings.rebalance_timeout_ms < settings.session_timeout_ms:
@@ -153,6 +161,14 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
             f"({settings.rebalance_timeout_ms} < {settings.session_timeout_ms})"
         )
     return settings
+
+
+def _deadline(name: str, raw: str) -> float:
+    """0 (forever) or 1 s .. 1 day: a deadline under a second would give up before the first retry."""
+    value = _parse_float(name, raw, 0, 86_400)
+    if 0 < value < 1:
+        raise ConfigError(f"{name}={value:g} must be 0 (retry forever) or at least 1 second")
+    return value
 
 
 def _parse_database_url(name: str, raw: str) -> str:
