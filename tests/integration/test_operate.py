@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -180,6 +181,36 @@ class TestOffsets:
         assert dry.code == 0, dry.err
         assert "would move" in dry.out
         assert await stored(database, workers.group, topic, PARTITION) == before
+
+    async def test_to_timestamp_skips_what_came_before_it(
+        self, services: Services, database: Env, topic: str, workers: WorkerPool,
+    ) -> None:
+        """Nothing applied yet; 5 records, then T, then 5 more. `--to-timestamp T` moves partition 3 to offset 5
+        (the first record at or after T) and records [0, 4] as an acknowledged skip; a worker then applies only
+        5..9. A time past the last record means the log end."""
+        await send_to(services.kafka, topic, PARTITION, 5)
+        await asyncio.sleep(1.5)
+        cut = datetime.now(UTC)
+        await asyncio.sleep(0.5)
+        await send_to(services.kafka, topic, PARTITION, 5)
+        future = await cli(workers, "offsets", "set", "--partition", str(PARTITION), "--to-timestamp",
+                           "2999-01-01T00:00:00Z", "--note", "x", "--dry-run", "--json")
+        assert future.code == 0, future.err
+        assert future.json()["next_offset_after"] == 10
+        moved = await cli(workers, "offsets", "set", "--partition", str(PARTITION), "--to-timestamp",
+                          cut.isoformat(), "--note", "replay from the cut-over", "--json")
+        assert moved.code == 0, moved.err
+        assert (moved.json()["next_offset_before"], moved.json()["next_offset_after"]) == (None, 5)
+        assert (moved.json()["gap"]["first_offset"], moved.json()["gap"]["last_offset"]) == (0, 4)
+        workers.start()
+        await wait_drained(services, database, topic, workers.group, 60, workers)
+        conn = await asyncpg.connect(database.owner_url)
+        try:
+            offsets = [r[0] for r in await conn.fetch(
+                "SELECT kafka_offset FROM stock_movements WHERE kafka_partition = $1 ORDER BY 1", PARTITION)]
+        finally:
+            await conn.close()
+        assert offsets == [5, 6, 7, 8, 9]
 
     async def test_live_workers_block_the_move_unless_forced_and_are_then_fenced(
         self, services: Services, database: Env, topic: str, workers: WorkerPool,
