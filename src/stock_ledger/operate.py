@@ -92,7 +92,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                         help="the first offset with a record timestamp >= T (RFC 3339, e.g. 2026-11-30T08:00:00Z)")
     move.add_argument("--note", default=None, help="why (required when skipping records; stored in ledger_gaps)")
     move.add_argument("--force", action="store_true",
-                      help="act although workers are in the group (they are fenced and re-claim)")
+                      help="act although workers are in the group (they are fenced, exit and re-claim)")
     move.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
     move.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
@@ -371,7 +371,7 @@ async def offsets_set(settings: Settings, args: argparse.Namespace) -> int:
         raise OperatorError(
             f"group {settings.group_id} has {len(group.members)} live member(s) ({', '.join(group.members)}): "
             "stop the workers first (e.g. kubectl scale --replicas=0), or pass --force to fence them "
-            "(they lose the partition at their next batch and claim it again at the new offset)")
+            "(their next batch on the partition is refused; they exit and claim it again at the new offset)")
     conn = await _owner(settings)
     change: dict[str, Any] = {}
     try:
@@ -418,7 +418,8 @@ def _describe_change(c: dict[str, Any]) -> str:
                  f"{g['last_offset']} ({g['records']} records) skipped, acknowledged by {g['acknowledged_by']}: "
                  f"{g['note']}")
     if c["live_members_fenced"]:
-        text += f"\n{c['live_members_fenced']} live member(s) will be fenced at their next batch and claim again"
+        text += (f"\n{c['live_members_fenced']} live member(s) will be fenced at their next batch on the partition "
+                 "and exit to claim it again")
     return text
 
 

@@ -7,6 +7,7 @@ tests/deploy/values-all.yaml (every feature on), so a property cannot hold only 
 from __future__ import annotations
 
 import json
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -28,6 +29,7 @@ from .support import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
 pytestmark = pytest.mark.deploy
 
@@ -448,3 +450,27 @@ class TestChaos:
                           "--set", "chaos.database.existingSecret=drill-db")
         job = rendered.one("Job", f"{WORKERS}-chaos")
         assert containers(job)[0]["image"] == worker(rendered)["image"]
+
+
+class TestNotes:
+    """NOTES.txt gives commands that work as printed."""
+
+    def test_port_forward_runs_in_the_background_before_curl(
+        self, run_helm: Callable[..., HelmResult], tmp_path: Path,
+    ) -> None:
+        """`port-forward` blocks: `port-forward ... && curl` never reaches curl. `helm template` skips NOTES.txt,
+        so a copy of the chart renders it as a YAML block."""
+        chart = tmp_path / "chart"
+        shutil.copytree(CHART, chart)
+        notes = (chart / "templates" / "NOTES.txt").read_text()
+        (chart / "templates" / "NOTES.txt").unlink()
+        (chart / "templates" / "notes.yaml").write_text(
+            "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
+        result = run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                          "--set", f"database.existingSecret={SECRET}", "--show-only", "templates/notes.yaml")
+        assert result.returncode == 0, result.stderr
+        forward = next(line for line in result.stdout.splitlines() if "port-forward" in line)
+        assert forward.rstrip().endswith(f"port-forward deploy/{WORKERS} 9108:9108 &")
+        assert "&&" not in result.stdout
+        assert "curl -s localhost:9108/metrics" in result.stdout
+        assert "helm test" in result.stdout
