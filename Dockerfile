@@ -48,7 +48,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # Everything below stays root-owned: the worker cannot modify its own code or migrations.
 COPY --from=build /opt/venv /opt/venv
 COPY migrations/ /app/migrations/
-# The chaos drill (`helm test` with chaos.enabled) runs this script; it needs kubectl too, which this image does
+# The chaos drill (the chart's opt-in chaos Job, chaos.enabled) runs this script; it needs kubectl too, which this image does
 # not carry: build a chaos image FROM this one that adds kubectl (see helm/stock-ledger/values.yaml, chaos.image).
 COPY --chmod=0755 scripts/chaos.sh /app/scripts/chaos.sh
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The staging chaos drill, generalised: produce movements while killing the workers, then prove the ledger exact.
-# `--help` says how to run it; the Helm chart's `helm test` pod runs `--mode k8s` (see
-# helm/stock-ledger/templates/tests/chaos-pod.yaml) and CI runs `--mode local` (tests/integration/test_chaos_script.py).
+# `--help` says how to run it; the Helm chart's opt-in drill Job (chaos.enabled, helm/stock-ledger/templates/
+# chaos-job.yaml) runs `--mode k8s` against the drill's own workers, topic and database, and CI runs `--mode local`
+# (tests/integration/test_chaos_script.py).
 #
 # Output: progress, the plan and verify's table go to stderr; stdout carries one line, `count|distinct`.
 # Exit codes: 0 the ledger holds exactly --count movements, each once; 1 it does not, or the drill itself failed;

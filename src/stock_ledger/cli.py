@@ -1,4 +1,4 @@
-"""`stock-ledger run | migrate | create-topic | produce | verify | gaps`.
+"""`stock-ledger run | migrate | create-topic | produce | verify | gaps | offsets | rejected`.
 
 Exit codes: 0 success; 1 failure (the message says what went wrong and what to do); 2 bad configuration or usage.
 """
@@ -11,7 +11,7 @@ import gc
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 import structlog
@@ -55,7 +55,38 @@ def _parser() -> argparse.ArgumentParser:
     gaps_ack = gaps_sub.add_parser("ack", help="acknowledge a gap after reconciling stock by hand")
     gaps_ack.add_argument("id", type=int)
     gaps_ack.add_argument("--note", required=True, help="what was reconciled, by whom (kept with the gap)")
+    _operator_commands(parser, sub)
     return parser
+
+
+# --- operator commands, --version and the environment in --help (issue 13) ------------------------------------
+_COMMON_ENV: Final = ("STOCK_LEDGER_LOG_LEVEL", "STOCK_LEDGER_LOG_FORMAT")
+# What each command reads (besides the log settings); `<command> --help` lists it.
+_ENVIRONMENT: Final[dict[str, tuple[str, ...]]] = {
+    "run": ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL (the worker role)",
+            "STOCK_LEDGER_*: every variable of README 'Configuration' except STOCK_LEDGER_MIGRATE_*"),
+    "migrate": ("DATABASE_URL (the owner role)", "STOCK_LEDGER_MIGRATIONS_DIR", "STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS",
+                "STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS"),
+    "create-topic": ("KAFKA_BOOTSTRAP_SERVERS", "STOCK_LEDGER_TOPIC"),
+    "produce": ("KAFKA_BOOTSTRAP_SERVERS", "STOCK_LEDGER_TOPIC"),
+    "verify": ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL", "STOCK_LEDGER_TOPIC", "STOCK_LEDGER_GROUP_ID"),
+    "gaps": ("DATABASE_URL (ack: a role that may UPDATE ledger_gaps, e.g. the owner)",),
+}
+
+
+def _operator_commands(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                       ) -> None:
+    from stock_ledger.metrics import _version  # noqa: PLC0415 - one place that reads the version
+    from stock_ledger.operate import ENVIRONMENT, add_commands, environment_epilog  # noqa: PLC0415
+
+    parser.add_argument("--version", action="version", version=f"stock-ledger {_version('stock-ledger')}")
+    add_commands(sub)
+    for name, names in _ENVIRONMENT.items():
+        sub.choices[name].epilog = environment_epilog((*names, *_COMMON_ENV))
+    parser.epilog = "environment variables read by each command (see `stock-ledger <command> --help`):\n" + "\n".join(
+        f"  {name}: {', '.join(names)}" for name, names in {**_ENVIRONMENT, **ENVIRONMENT}.items())
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _runner() -> Callable[[Coroutine[Any, Any, int]], int]:
@@ -80,9 +111,12 @@ async def _run(settings: Settings) -> int:
 
 
 async def _migrate(settings: Settings) -> int:
-    from stock_ledger.migrate import find_migrations_dir, migrate  # noqa: PLC0415
+    from stock_ledger.clients import check_sslmode  # noqa: PLC0415
+    from stock_ledger.migrate import MigrateOptions, find_migrations_dir, migrate  # noqa: PLC0415
 
-    applied = await migrate(settings.require_database_url(), find_migrations_dir(settings.migrations_dir))
+    options = MigrateOptions(settings.migrate_deadline_seconds, settings.migrate_lock_timeout_ms,
+                             settings.migrate_statement_timeout_ms)
+    applied = await migrate(check_sslmode(settings), find_migrations_dir(settings.migrations_dir), options)
     print(f"migrations applied: {', '.join(applied) or 'none (already up to date)'}")
     return 0
 
@@ -162,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(os.environ)
         logs.configure(settings.log_level, settings.log_format)
+        from stock_ledger.operate import handler  # noqa: PLC0415 - operator commands (issue 13)
+
+        operator_command = handler(settings, args)
+        if operator_command is not None:
+            return _runner()(operator_command())
         handlers: dict[str, Callable[[], Coroutine[Any, Any, int]]] = {
             "run": lambda: _run(settings),
             "migrate": lambda: _migrate(settings),

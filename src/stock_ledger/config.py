@@ -10,7 +10,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Final, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 from stock_ledger.errors import ConfigError
@@ -22,7 +22,6 @@ OffsetReset = Literal["earliest", "latest", "none"]
 LogFormat = Literal["auto", "json", "console"]
 OnGap = Literal["halt", "record"]
 
-_T = TypeVar("_T")
 
 
 # ------------------------------------------------------------------------------ security settings (issue 11)
@@ -201,6 +200,10 @@ class Settings:
     log_level: str = "info"
     log_format: LogFormat = "auto"
     migrations_dir: str | None = None
+    # `stock-ledger migrate`: how long to wait for the database and retry lock timeouts, and the DDL's timeouts.
+    migrate_deadline_seconds: float = 240.0
+    migrate_lock_timeout_ms: int = 2_000
+    migrate_statement_timeout_ms: int = 600_000
     # Test-only crash points, see faults.py. Never set in production.
     fault: str | None = None
     # Connection security (README "Security"); secrets stay out of repr and are masked in loggable().
@@ -259,78 +262,26 @@ def _parse_choice(name: str, raw: str, choices: tuple[str, ...], case: Callable[
     return value
 
 
-def load_settings(environ: Mapping[str, str]) -> Settings:
-    """Build `Settings` from an environment mapping; raise `ConfigError` naming the first bad variable.
+def _text(name: str, raw: str) -> str:
+    if len(raw) > 1024:
+        raise ConfigError(f"{name} is longer than 1024 characters")
+    return raw
 
-    Pure over `environ` except for reading the files it names: the *_FILE secrets, and a check that the
-    KAFKA_SSL_*_FILE paths exist (their content is parsed when a client is built, see clients.kafka_options).
-    """
-    environ = _with_secret_files(environ)
-    values: dict[str, object] = {}
 
-    def take(name: str, attr: str, parse: Callable[[str, str], _T]) -> None:
-        raw = environ.get(name)
-        if raw is not None and raw.strip() != "":
-            values[attr] = parse(name, raw.strip())
+def _ints(low: int, high: int) -> Callable[[str, str], int]:
+    return lambda name, raw: _parse_int(name, raw, low, high)
 
-    def text(name: str, raw: str) -> str:
-        if len(raw) > 1024:
-            raise ConfigError(f"{name} is longer than 1024 characters")
-        return raw
 
-    def ints(low: int, high: int) -> Callable[[str, str], int]:
-        return lambda name, raw: _parse_int(name, raw, low, high)
+def _floats(low: float, high: float) -> Callable[[str, str], float]:
+    return lambda name, raw: _parse_float(name, raw, low, high)
 
-    def floats(low: float, high: float) -> Callable[[str, str], float]:
-        return lambda name, raw: _parse_float(name, raw, low, high)
 
-    def choice(*choices: str) -> Callable[[str, str], str]:
-        return lambda name, raw: _parse_choice(name, raw, choices)
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    return lambda name, raw: _parse_choice(name, raw, choices)
 
-    def upper(*choices: str) -> Callable[[str, str], str]:
-        return lambda name, raw: _parse_choice(name, raw.upper(), choices, str.upper)
 
-    take("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers", text)
-    take("DATABASE_URL", "database_url", _parse_database_url)
-    take("STOCK_LEDGER_TOPIC", "topic", _parse_topic)
-    take("STOCK_LEDGER_GROUP_ID", "group_id", text)
-    take("STOCK_LEDGER_GROUP_INSTANCE_ID", "group_instance_id", text)
-    take("STOCK_LEDGER_METRICS_PORT", "metrics_port", ints(0, 65535))
-    take("STOCK_LEDGER_SESSION_TIMEOUT_MS", "session_timeout_ms", ints(1_000, 300_000))
-    take("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "rebalance_timeout_ms", ints(1_000, 600_000))
-    take("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", ints(1, 100_000))
-    take("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", ints(1, 60_000))
-    take("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", choice("earliest", "latest", "none"))
-    take("STOCK_LEDGER_ON_GAP", "on_gap", choice("halt", "record"))
-    take("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", _parse_deadline)
-    take("STOCK_LEDGER_LOCK_TIMEOUT_MS", "lock_timeout_ms", ints(100, 600_000))
-    take("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms", ints(1_000, 3_600_000))
-    take("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", floats(0.1, 600))
-    take("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", floats(1, 3_600))
-    take("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "position_refresh_seconds", floats(0.1, 3_600))
-    take("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", floats(0.1, 86_400))
-    take("STOCK_LEDGER_LOG_LEVEL", "log_level", choice("debug", "info", "warning", "error"))
-    take("STOCK_LEDGER_LOG_FORMAT", "log_format", choice("auto", "json", "console"))
-    take("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", text)
-    take("STOCK_LEDGER_FAULT", "fault", text)
-    take("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol", upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"))
-    take("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"))
-    take("KAFKA_SASL_USERNAME", "kafka_sasl_username", text)
-    values.update(_verbatim_secrets(environ))
-    take("KAFKA_SSL_CA_FILE", "kafka_ssl_ca_file", text)
-    take("KAFKA_SSL_CERT_FILE", "kafka_ssl_cert_file", text)
-    take("KAFKA_SSL_KEY_FILE", "kafka_ssl_key_file", text)
-    take("KAFKA_SSL_CHECK_HOSTNAME", "kafka_ssl_check_hostname", _parse_bool)
-    take("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", choice(*SSLMODES))
-
-    settings = Settings(**values)  # type: ignore[arg-type]
-    if settings.rebalance_timeout_ms < settings.session_timeout_ms:
-        raise ConfigError(
-            "STOCK_LEDGER_REBALANCE_TIMEOUT_MS must be >= STOCK_LEDGER_SESSION_TIMEOUT_MS "
-            f"({settings.rebalance_timeout_ms} < {settings.session_timeout_ms})"
-        )
-    _check_security(settings, environ)
-    return settings
+def _upper(*choices: str) -> Callable[[str, str], str]:
+    return lambda name, raw: _parse_choice(name, raw.upper(), choices, str.upper)
 
 
 def _parse_deadline(name: str, raw: str) -> float:
@@ -356,3 +307,67 @@ def _parse_topic(name: str, raw: str) -> str:
     if not _TOPIC.match(raw):
         raise ConfigError(f"{name}={raw!r} is not a valid Kafka topic name ([A-Za-z0-9._-], 1-249 chars)")
     return raw
+
+
+# Every variable, the Settings field it sets, and how it is parsed (README "Configuration" documents each).
+_VARIABLES: Final[tuple[tuple[str, str, Callable[[str, str], object]], ...]] = (
+    ("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers", _text),
+    ("DATABASE_URL", "database_url", _parse_database_url),
+    ("STOCK_LEDGER_TOPIC", "topic", _parse_topic),
+    ("STOCK_LEDGER_GROUP_ID", "group_id", _text),
+    ("STOCK_LEDGER_GROUP_INSTANCE_ID", "group_instance_id", _text),
+    ("STOCK_LEDGER_METRICS_PORT", "metrics_port", _ints(0, 65535)),
+    ("STOCK_LEDGER_SESSION_TIMEOUT_MS", "session_timeout_ms", _ints(1_000, 300_000)),
+    ("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "rebalance_timeout_ms", _ints(1_000, 600_000)),
+    ("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", _ints(1, 100_000)),
+    ("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", _ints(1, 60_000)),
+    ("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", _choice("earliest", "latest", "none")),
+    ("STOCK_LEDGER_ON_GAP", "on_gap", _choice("halt", "record")),
+    # 0 = retry forever (the chart's default: stay alive and NotReady rather than crash-loop with back-off).
+    ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", _parse_deadline),
+    ("STOCK_LEDGER_LOCK_TIMEOUT_MS", "lock_timeout_ms", _ints(100, 600_000)),
+    ("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms", _ints(1_000, 3_600_000)),
+    ("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", _floats(0.1, 600)),
+    ("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", _floats(1, 3_600)),
+    ("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "position_refresh_seconds", _floats(0.1, 3_600)),
+    ("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", _floats(0.1, 86_400)),
+    ("STOCK_LEDGER_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error")),
+    ("STOCK_LEDGER_LOG_FORMAT", "log_format", _choice("auto", "json", "console")),
+    ("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", _text),
+    ("STOCK_LEDGER_FAULT", "fault", _text),
+    ("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol", _upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")),
+    ("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", _upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")),
+    ("KAFKA_SASL_USERNAME", "kafka_sasl_username", _text),
+    ("KAFKA_SSL_CA_FILE", "kafka_ssl_ca_file", _text),
+    ("KAFKA_SSL_CERT_FILE", "kafka_ssl_cert_file", _text),
+    ("KAFKA_SSL_KEY_FILE", "kafka_ssl_key_file", _text),
+    ("KAFKA_SSL_CHECK_HOSTNAME", "kafka_ssl_check_hostname", _parse_bool),
+    ("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", _choice(*SSLMODES)),
+    ("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "migrate_deadline_seconds", _floats(1, 86_400)),
+    ("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "migrate_lock_timeout_ms", _ints(10, 600_000)),
+    ("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "migrate_statement_timeout_ms", _ints(1_000, 86_400_000)),
+)
+
+
+def load_settings(environ: Mapping[str, str]) -> Settings:
+    """Build `Settings` from an environment mapping; raise `ConfigError` naming the first bad variable.
+
+    Pure over `environ` except for reading the files it names: the *_FILE secrets, and a check that the
+    KAFKA_SSL_*_FILE paths exist (their content is parsed when a client is built, see clients.kafka_options).
+    """
+    environ = _with_secret_files(environ)
+    values: dict[str, object] = {}
+    for name, attr, parse in _VARIABLES:
+        raw = environ.get(name)
+        if raw is not None and raw.strip() != "":
+            values[attr] = parse(name, raw.strip())
+    values.update(_verbatim_secrets(environ))
+
+    settings = Settings(**values)  # type: ignore[arg-type]
+    if settings.rebalance_timeout_ms < settings.session_timeout_ms:
+        raise ConfigError(
+            "STOCK_LEDGER_REBALANCE_TIMEOUT_MS must be >= STOCK_LEDGER_SESSION_TIMEOUT_MS "
+            f"({settings.rebalance_timeout_ms} < {settings.session_timeout_ms})"
+        )
+    _check_security(settings, environ)
+    return settings

@@ -7,15 +7,18 @@ tests/deploy/values-all.yaml (every feature on), so a property cannot hold only 
 from __future__ import annotations
 
 import json
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from .support import (
     CHART,
+    KUBE_VERSION,
     NAMESPACE,
     RELEASE,
     SECRET,
+    HelmResult,
     Manifest,
     Rendered,
     env_by_name,
@@ -26,10 +29,12 @@ from .support import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
 pytestmark = pytest.mark.deploy
 
 SELECTOR = {"app.kubernetes.io/name": "stock-ledger", "app.kubernetes.io/instance": RELEASE}
+WORKERS = f"{RELEASE}-stock-ledger"  # the release's worker Deployment (the chaos drill has its own)
 POD_KINDS = ("Deployment", "Job", "Pod")
 
 
@@ -44,7 +49,7 @@ def containers(manifest: Manifest) -> list[dict[str, Any]]:
 
 
 def worker(rendered: Rendered) -> dict[str, Any]:
-    deployment = rendered.one("Deployment")
+    deployment = rendered.one("Deployment", WORKERS)
     found: dict[str, Any] = containers(deployment)[0]
     return found
 
@@ -53,21 +58,21 @@ class TestSelectors:
     """Selectors are exactly name + instance, match the worker pods, and match nothing else."""
 
     def test_deployment_selector_is_name_and_instance(self, rendered: Rendered) -> None:
-        deployment = rendered.one("Deployment")
+        deployment = rendered.one("Deployment", WORKERS)
         assert deployment["spec"]["selector"] == {"matchLabels": SELECTOR}
         assert SELECTOR.items() <= pod_labels(deployment).items()
 
     def test_every_selector_is_the_same(self, rendered: Rendered) -> None:
         selectors = [rendered.one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]
         selectors += [m["spec"]["selector"]["matchLabels"] for m in rendered.of_kind("PodMonitor")]
-        spread = pod_spec(rendered.one("Deployment")).get("topologySpreadConstraints", [])
+        spread = pod_spec(rendered.one("Deployment", WORKERS)).get("topologySpreadConstraints", [])
         assert spread, "the worker pods must have topologySpreadConstraints"
         selectors += [constraint["labelSelector"]["matchLabels"] for constraint in spread]
         assert all(selector == SELECTOR for selector in selectors), selectors
 
     def test_selector_labels_do_not_change_between_versions(self, all_render: Rendered) -> None:
         """values-all sets another image tag: the selector (immutable on a Deployment) stays the same."""
-        assert all_render.one("Deployment")["spec"]["selector"]["matchLabels"] == SELECTOR
+        assert all_render.one("Deployment", WORKERS)["spec"]["selector"]["matchLabels"] == SELECTOR
 
     def test_no_other_pod_matches_the_worker_selector(self, rendered: Rendered) -> None:
         """Hook pods must not be adopted by the Deployment, counted by the PDB, scraped or killed by chaos."""
@@ -83,11 +88,11 @@ class TestReplicas:
     """Replica count follows values, within one to one per partition."""
 
     def test_replicas(self, default_render: Rendered, all_render: Rendered) -> None:
-        assert default_render.one("Deployment")["spec"]["replicas"] == 3
-        assert all_render.one("Deployment")["spec"]["replicas"] == 24
+        assert default_render.one("Deployment", WORKERS)["spec"]["replicas"] == 3
+        assert all_render.one("Deployment", WORKERS)["spec"]["replicas"] == 24
 
     def test_rollout_never_drops_below_requested_replicas(self, rendered: Rendered) -> None:
-        strategy = rendered.one("Deployment")["spec"]["strategy"]
+        strategy = rendered.one("Deployment", WORKERS)["spec"]["strategy"]
         assert strategy["rollingUpdate"]["maxUnavailable"] == 0
 
 
@@ -96,6 +101,10 @@ class TestPodDisruptionBudget:
 
     def test_default_max_unavailable(self, default_render: Rendered) -> None:
         assert default_render.one("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+    def test_not_ready_workers_may_be_evicted(self, rendered: Rendered) -> None:
+        """In a database outage every worker is NotReady: drains must not stall on them."""
+        assert rendered.one("PodDisruptionBudget")["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
     def test_min_available_replaces_max_unavailable(self, all_render: Rendered) -> None:
         spec = all_render.one("PodDisruptionBudget")["spec"]
@@ -135,10 +144,11 @@ class TestSecurityContext:
                 assert "/tmp" in mounts, f"{kn(manifest)}: no /tmp mount"  # noqa: S108 - the point of the test
                 assert "emptyDir" in volumes[mounts["/tmp"]], kn(manifest)  # noqa: S108
 
-    def test_only_the_chaos_pod_talks_to_the_api(self, rendered: Rendered) -> None:
+    def test_only_the_chaos_drill_talks_to_the_api(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
             automount = pod_spec(manifest)["automountServiceAccountToken"]
-            assert automount is (manifest["kind"] == "Pod"), kn(manifest)
+            drill = manifest["kind"] == "Job" and manifest["metadata"]["name"] == f"{WORKERS}-chaos"
+            assert automount is drill, kn(manifest)
 
     def test_resources_set(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
@@ -174,6 +184,8 @@ class TestWorkerContainer:
         for manifest in workloads(rendered):
             for container in containers(manifest):
                 env = env_by_name(container).get("DATABASE_URL")
+                if container["name"] == "ready":  # helm test's readiness check talks to the workers only
+                    continue
                 assert env is not None, f"{kn(manifest)} has no DATABASE_URL"
                 assert "value" not in env, f"{kn(manifest)} carries DATABASE_URL as a literal"
 
@@ -190,15 +202,17 @@ class TestWorkerContainer:
         names = [e["name"] for e in worker(all_render)["env"]]
         assert len(names) == len(set(names)), "duplicate environment variables"
 
-    def test_static_membership_from_pod_name(
-        self, default_render: Rendered, render: Callable[..., Rendered]
-    ) -> None:
-        env = env_by_name(worker(default_render))["STOCK_LEDGER_GROUP_INSTANCE_ID"]
-        assert env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-        disabled = render(
-            "--set", f"database.existingSecret={SECRET}", "--set", "staticMembership.enabled=false"
-        )
-        assert "STOCK_LEDGER_GROUP_INSTANCE_ID" not in env_by_name(worker(disabled))
+    def test_dynamic_membership(self, rendered: Rendered) -> None:
+        """One membership model, measured (README "Deployment"): a Deployment without static membership, so a
+        stopping pod's LeaveGroup hands its partitions over at once."""
+        assert rendered.one("Deployment", WORKERS)
+        for manifest in rendered.of_kind("Deployment"):
+            for container in containers(manifest):
+                assert "STOCK_LEDGER_GROUP_INSTANCE_ID" not in env_by_name(container), kn(manifest)
+
+    def test_retries_forever_by_default(self, default_render: Rendered) -> None:
+        """A database outage leaves the pods NotReady but alive: no CrashLoopBackOff delaying recovery."""
+        assert env_by_name(worker(default_render))["STOCK_LEDGER_RETRY_DEADLINE_SECONDS"]["value"] == "0"
 
     def test_probes_on_the_metrics_port(self, rendered: Rendered) -> None:
         container = worker(rendered)
@@ -207,7 +221,7 @@ class TestWorkerContainer:
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
     def test_termination_grace_covers_a_clean_batch_finish(self, default_render: Rendered) -> None:
-        spec = pod_spec(default_render.one("Deployment"))
+        spec = pod_spec(default_render.one("Deployment", WORKERS))
         env = {e["name"]: e.get("value") for e in worker(default_render)["env"]}
         assert spec["terminationGracePeriodSeconds"] == 30
         assert spec["terminationGracePeriodSeconds"] > int(env["STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS"]) + 5
@@ -250,7 +264,7 @@ class TestMonitoring:
     """A PodMonitor with extra labels, else scrape annotations; PrometheusRule and dashboard on request."""
 
     def test_scrape_annotations_without_pod_monitor(self, default_render: Rendered) -> None:
-        annotations = default_render.one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+        annotations = default_render.one("Deployment", WORKERS)["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == "9108"
         assert annotations["prometheus.io/path"] == "/metrics"
@@ -262,7 +276,7 @@ class TestMonitoring:
         assert monitor["spec"]["podMetricsEndpoints"] == [
             {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
         ]
-        annotations = all_render.one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+        annotations = all_render.one("Deployment", WORKERS)["spec"]["template"]["metadata"]["annotations"]
         assert not [key for key in annotations if key.startswith("prometheus.io/")], "scraped twice"
         assert annotations["example.com/owner"] == "inventory"
 
@@ -274,14 +288,114 @@ class TestMonitoring:
         assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert configmap["metadata"]["annotations"] == {"grafana_folder": "Inventory"}
         shipped = json.loads((CHART / "files" / "dashboard.json").read_text())
-        assert json.loads(configmap["data"]["stock-ledger.json"]) == shipped
+        rendered = json.loads(configmap["data"]["stock-ledger.json"])
+        assert rendered["panels"] == shipped["panels"]
+
+    def test_dashboard_is_per_release_with_a_namespace_variable(
+        self, run_helm: Callable[..., HelmResult], yaml_module: Any,
+    ) -> None:
+        """uid and title differ between releases and namespaces (Grafana keys dashboards by uid, wants titles
+        unique per folder); the namespace variable defaults to the release's namespace and every query uses it."""
+        dashboards = []
+        for namespace, release in (("inventory", "ledger"), ("staging", "ledger"), ("inventory", "other")):
+            result = run_helm("template", release, str(CHART), "--namespace", namespace, "--kube-version",
+                              KUBE_VERSION, "--set", f"database.existingSecret={SECRET}",
+                              "--set", "grafana.dashboard.enabled=true")
+            assert result.returncode == 0, result.stderr
+            rendered = Rendered([d for d in yaml_module.safe_load_all(result.stdout) if d])
+            configmap = rendered.one("ConfigMap", "-dashboard")
+            dashboards.append((namespace, json.loads(configmap["data"]["stock-ledger.json"])))
+        assert len({d["uid"] for _, d in dashboards}) == 3
+        assert len({d["title"] for _, d in dashboards}) == 3
+        assert all(len(d["uid"]) <= 40 for _, d in dashboards)
+        for namespace, dashboard in dashboards:
+            variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "namespace")
+            assert variable["current"]["value"] == namespace
+        exprs = [t["expr"] for p in dashboards[0][1]["panels"] for t in p.get("targets", [])]
+        assert exprs
+        assert all('namespace=~"$namespace"' in e for e in exprs), [e for e in exprs if "$namespace" not in e]
+
+
+class TestHelmTest:
+    """`helm test` is safe anywhere: it waits for readiness and runs a read-only `stock-ledger verify`."""
+
+    def test_pod_checks_readiness_then_verifies_read_only(self, rendered: Rendered) -> None:
+        pods = rendered.of_kind("Pod")
+        assert [p["metadata"]["annotations"]["helm.sh/hook"] for p in pods] == ["test"]
+        pod = pods[0]
+        ready = pod["spec"]["initContainers"][0]
+        assert ready["command"][:2] == ["python", "-c"]
+        assert ready["command"][2] == (CHART / "files" / "readiness-check.py").read_text()
+        env = {e["name"]: e["value"] for e in ready["env"]}
+        assert env["WORKERS_HOST"] == f"{WORKERS}-workers.{NAMESPACE}.svc"
+        verify = pod["spec"]["containers"][0]
+        assert verify["args"][0] == "verify"
+        assert "--expect" not in verify["args"]
+        assert pod["spec"].get("serviceAccountName") is None
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        env = env_by_name(verify)
+        assert env["STOCK_LEDGER_TOPIC"]["value"] == "warehouse.movements"
+        assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == SECRET
+
+    def test_headless_service_finds_every_worker(self, rendered: Rendered) -> None:
+        service = rendered.one("Service", "-workers")
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is True
+        assert service["spec"]["selector"] == SELECTOR
 
 
 class TestChaos:
-    """The chaos drill: least-privilege RBAC in the release namespace, a `helm test` pod for the release."""
+    """The chaos drill: opt-in hooks on its own topic, group, database and workers; RBAC only while it runs."""
 
     def test_off_by_default(self, default_render: Rendered) -> None:
-        assert not default_render.kinds() & {"ServiceAccount", "Role", "RoleBinding", "Pod"}
+        assert not default_render.kinds() & {"ServiceAccount", "Role", "RoleBinding"}
+        assert [m["metadata"]["name"] for m in default_render.of_kind("Job")] == [f"{WORKERS}-migrate"]
+        assert [m["metadata"]["name"] for m in default_render.of_kind("Deployment")] == [WORKERS]
+
+    def test_every_drill_object_is_a_post_install_hook_deleted_when_the_drill_ends(
+        self, all_render: Rendered,
+    ) -> None:
+        """RBAC, the drill's workers, its prepare Job and the drill Job are post-install/post-upgrade hooks,
+        ordered by weight; all carry hook-succeeded (Helm also deletes earlier hooks' hook-succeeded objects
+        when a later one fails), so the pod-deleting RBAC exists only while the drill runs."""
+        drill = [m for m in all_render.manifests if "chaos" in m["metadata"]["name"]]
+        weights = {}
+        for manifest in drill:
+            annotations = manifest["metadata"]["annotations"]
+            assert set(annotations["helm.sh/hook"].split(",")) == {"post-install", "post-upgrade"}, kn(manifest)
+            policy = set(annotations["helm.sh/hook-delete-policy"].split(","))
+            assert policy == {"before-hook-creation", "hook-succeeded"}, kn(manifest)
+            weights[kn(manifest)] = int(annotations["helm.sh/hook-weight"])
+        assert {k.split("/")[0] for k in weights} == {"ServiceAccount", "Role", "RoleBinding", "Job", "Deployment"}
+        rbac = max(weights[f"{kind}/{WORKERS}-chaos"] for kind in ("ServiceAccount", "Role", "RoleBinding"))
+        prepare = weights[f"Job/{WORKERS}-chaos-prepare"]
+        workers = weights[f"Deployment/{WORKERS}-chaos-workers"]
+        assert rbac < prepare < workers < weights[f"Job/{WORKERS}-chaos"]
+
+    def test_drill_uses_its_own_topic_group_database_and_workers(self, all_render: Rendered) -> None:
+        workers = all_render.one("Deployment", "-chaos-workers")
+        job = all_render.one("Job", f"{WORKERS}-chaos")
+        prepare = all_render.one("Job", "-chaos-prepare")
+        for manifest in (workers, job, prepare):
+            env = env_by_name(containers(manifest)[0])
+            assert env["STOCK_LEDGER_TOPIC"]["value"] == "warehouse.movements.chaos-drill-r1", kn(manifest)
+            assert env["STOCK_LEDGER_GROUP_ID"]["value"] == "stock-ledger-chaos-drill", kn(manifest)
+            assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+                "name": "stock-ledger-chaos-db", "key": "owner-url"}, kn(manifest)
+        assert workers["spec"]["replicas"] == 4
+        drill_labels = workers["spec"]["selector"]["matchLabels"]
+        assert drill_labels != SELECTOR
+        assert not SELECTOR.items() <= pod_labels(workers).items()
+        args = containers(job)[0]["args"]
+        options = dict(zip(args[::2], args[1::2], strict=True))
+        assert options["--selector"] == ",".join(f"{k}={v}" for k, v in drill_labels.items())
+        assert containers(prepare)[0]["command"][2] == (CHART / "files" / "chaos-prepare.py").read_text()
+
+    def test_needs_the_drill_database(self, run_helm: Callable[..., HelmResult]) -> None:
+        result = run_helm("template", RELEASE, str(CHART), "--set", f"database.existingSecret={SECRET}",
+                          "--set", "chaos.enabled=true")
+        assert result.returncode != 0
+        assert "/chaos/database/existingSecret" in result.stderr, result.stderr
 
     def test_never_cluster_wide(self, rendered: Rendered) -> None:
         assert not rendered.kinds() & {"ClusterRole", "ClusterRoleBinding"}
@@ -308,13 +422,13 @@ class TestChaos:
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
         ]
-        assert all_render.one("Pod")["spec"]["serviceAccountName"] == account["metadata"]["name"]
+        assert pod_spec(all_render.one("Job", f"{WORKERS}-chaos"))["serviceAccountName"] == account["metadata"]["name"]
 
-    def test_test_pod_runs_the_drill_against_the_release(self, all_render: Rendered) -> None:
-        pod = all_render.one("Pod")
-        assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-        assert pod["spec"]["restartPolicy"] == "Never", "a failed verification must fail the test"
-        container = pod["spec"]["containers"][0]
+    def test_drill_job_runs_chaos_sh(self, all_render: Rendered) -> None:
+        job = all_render.one("Job", f"{WORKERS}-chaos")
+        assert pod_spec(job)["restartPolicy"] == "Never", "a failed verification must fail the drill"
+        assert job["spec"]["backoffLimit"] == 0
+        container = containers(job)[0]
         assert container["image"] == "registry.example.com:5000/inventory/stock-ledger-chaos:1.2.3"
         assert container["command"] == ["/app/scripts/chaos.sh"]
         args = container["args"]
@@ -322,7 +436,7 @@ class TestChaos:
         assert options == {
             "--mode": "k8s",
             "--namespace": NAMESPACE,
-            "--selector": f"app.kubernetes.io/name=stock-ledger,app.kubernetes.io/instance={RELEASE}",
+            "--selector": f"app.kubernetes.io/name=stock-ledger-chaos-drill,app.kubernetes.io/instance={RELEASE}",
             "--count": "50000",
             "--rate": "2500",
             "--kills": "7",
@@ -330,8 +444,33 @@ class TestChaos:
         }
         env = env_by_name(container)
         assert env["KAFKA_BOOTSTRAP_SERVERS"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
-        assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": "worker-url"}
 
     def test_chaos_image_defaults_to_the_app_image(self, render: Callable[..., Rendered]) -> None:
-        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "chaos.enabled=true")
-        assert rendered.one("Pod")["spec"]["containers"][0]["image"] == worker(rendered)["image"]
+        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "chaos.enabled=true",
+                          "--set", "chaos.database.existingSecret=drill-db")
+        job = rendered.one("Job", f"{WORKERS}-chaos")
+        assert containers(job)[0]["image"] == worker(rendered)["image"]
+
+
+class TestNotes:
+    """NOTES.txt gives commands that work as printed."""
+
+    def test_port_forward_runs_in_the_background_before_curl(
+        self, run_helm: Callable[..., HelmResult], tmp_path: Path,
+    ) -> None:
+        """`port-forward` blocks: `port-forward ... && curl` never reaches curl. `helm template` skips NOTES.txt,
+        so a copy of the chart renders it as a YAML block."""
+        chart = tmp_path / "chart"
+        shutil.copytree(CHART, chart)
+        notes = (chart / "templates" / "NOTES.txt").read_text()
+        (chart / "templates" / "NOTES.txt").unlink()
+        (chart / "templates" / "notes.yaml").write_text(
+            "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
+        result = run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                          "--set", f"database.existingSecret={SECRET}", "--show-only", "templates/notes.yaml")
+        assert result.returncode == 0, result.stderr
+        forward = next(line for line in result.stdout.splitlines() if "port-forward" in line)
+        assert forward.rstrip().endswith(f"port-forward deploy/{WORKERS} 9108:9108 &")
+        assert "&&" not in result.stdout
+        assert "curl -s localhost:9108/metrics" in result.stdout
+        assert "helm test" in result.stdout

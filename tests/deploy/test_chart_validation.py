@@ -107,7 +107,7 @@ def test_dashboard_queries_are_valid_promql(all_render: Rendered, tmp_path: Path
     """
     configmap = all_render.one("ConfigMap", "-dashboard")
     dashboard = json.loads(configmap["data"]["stock-ledger.json"])
-    substitutions = {"$__rate_interval": "5m", "$topic": ".*"}
+    substitutions = {"$__rate_interval": "5m", "$topic": ".*", "$namespace": "inventory"}
     rules = []
     for i, expr in enumerate(dashboard_queries(dashboard)):
         for variable, value in substitutions.items():

@@ -106,6 +106,11 @@ class TestEachVariable:
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "0", "retry_deadline_seconds", 0.0),  # 0: retry forever
             ("STOCK_LEDGER_ON_GAP", "record", "on_gap", "record"),
             ("STOCK_LEDGER_ON_GAP", "HALT", "on_gap", "halt"),
+            # 0 = retry forever (the chart's default), see README "Configuration".
+            ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "0", "retry_deadline_seconds", 0.0),
+            ("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "30", "migrate_deadline_seconds", 30.0),
+            ("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "500", "migrate_lock_timeout_ms", 500),
+            ("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "60000", "migrate_statement_timeout_ms", 60000),
             ("STOCK_LEDGER_LOCK_TIMEOUT_MS", "2000", "lock_timeout_ms", 2000),
             ("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "20000", "idle_in_transaction_timeout_ms", 20000),
             ("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "5", "shutdown_grace_seconds", 5.0),
@@ -150,6 +155,10 @@ class TestBadValues:
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "forever"),
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "0.5"),
             ("STOCK_LEDGER_ON_GAP", "skip"),
+            ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "-1"),
+            ("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "0"),
+            ("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "1"),
+            ("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "ten"),
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "nan"),
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "inf"),
             ("STOCK_LEDGER_LOCK_TIMEOUT_MS", "1"),

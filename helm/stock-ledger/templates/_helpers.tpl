@@ -325,3 +325,53 @@ KAFKA_SECURITY_PROTOCOL and what it needs; the password and the client key are f
 {{- end }}
 {{- include "stock-ledger.databaseCaMount" . }}
 {{- end }}
+
+{{/*
+The chaos drill's own workers: a different app.kubernetes.io/name, so nothing of the release's workers (the
+Deployment, PDB, PodMonitor, helm test) ever selects them, and the drill never selects the release's workers.
+*/}}
+{{- define "stock-ledger.chaosWorkerSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-chaos-drill" (include "stock-ledger.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "stock-ledger.chaosWorkerSelectorString" -}}
+app.kubernetes.io/name={{ printf "%s-chaos-drill" (include "stock-ledger.name" .) | trunc 63 | trimSuffix "-" }},app.kubernetes.io/instance={{ .Release.Name }}
+{{- end }}
+
+{{/*
+The drill's topic: one per release revision, so a drill never reuses (or races the deletion of) an older one.
+*/}}
+{{- define "stock-ledger.chaosTopic" -}}
+{{- printf "%s-r%d" .Values.chaos.topicPrefix (int .Release.Revision) }}
+{{- end }}
+
+{{/*
+Environment of every drill container: the drill's database, topic and group instead of the release's.
+*/}}
+{{- define "stock-ledger.chaosEnv" -}}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ required "chaos.database.existingSecret is required with chaos.enabled: a Secret with the URL of the drill's own database (dropped and re-created by each drill)" .Values.chaos.database.existingSecret }}
+      key: {{ .Values.chaos.database.secretKey }}
+- name: KAFKA_BOOTSTRAP_SERVERS
+  value: {{ .Values.kafka.bootstrapServers | quote }}
+- name: STOCK_LEDGER_TOPIC
+  value: {{ include "stock-ledger.chaosTopic" . | quote }}
+- name: STOCK_LEDGER_GROUP_ID
+  value: {{ .Values.chaos.groupId | quote }}
+- name: STOCK_LEDGER_LOG_FORMAT
+  value: {{ default "json" .Values.config.logFormat | quote }}
+{{- end }}
+
+{{/*
+Hook annotations of the drill's objects: created after install/upgrade in `weight` order, deleted when the drill
+ends, pass or fail (Helm deletes the earlier hooks' hook-succeeded objects when a later hook fails).
+Call with (dict "weight" "-10").
+*/}}
+{{- define "stock-ledger.chaosHook" -}}
+helm.sh/hook: post-install,post-upgrade
+helm.sh/hook-weight: {{ .weight | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end }}

@@ -1,0 +1,23 @@
+"""The CLI's self-description: `--version`, and help that names the environment variables each command reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_version_and_help_list_the_environment() -> None:
+    """`--version` prints the version; top-level and per-command help name the variables each command reads."""
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "stock_ledger", *args], capture_output=True, text=True,
+                              check=True, timeout=60)
+        return done.stdout
+
+    assert run("--version").startswith("stock-ledger ")
+    top = run("--help")
+    for command in ("run", "migrate", "verify", "offsets", "rejected"):
+        assert f"  {command}: " in top
+    assert "STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS" in run("migrate", "--help")
+    assert "DATABASE_URL (the owner role)" in run("offsets", "set", "--help")
+    assert "STOCK_LEDGER_GROUP_ID" in run("offsets", "show", "--help")
+    assert "DATABASE_URL" in run("rejected", "replay", "--help")
