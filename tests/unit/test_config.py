@@ -106,8 +106,6 @@ class TestEachVariable:
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "0", "retry_deadline_seconds", 0.0),  # 0: retry forever
             ("STOCK_LEDGER_ON_GAP", "record", "on_gap", "record"),
             ("STOCK_LEDGER_ON_GAP", "HALT", "on_gap", "halt"),
-            # 0 = retry forever (the chart's default), see README "Configuration".
-            ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "0", "retry_deadline_seconds", 0.0),
             ("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "30", "migrate_deadline_seconds", 30.0),
             ("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "500", "migrate_lock_timeout_ms", 500),
             ("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "60000", "migrate_statement_timeout_ms", 60000),
