@@ -54,11 +54,11 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from stock_ledger.batch import MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.config import Settings
 from stock_ledger.domain import Movement, parse
 from stock_ledger.migrate import find_migrations_dir, migrate
 from stock_ledger.produce import produce
-from stock_ledger.sink import MOVEMENT_COLUMNS, Record, build_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable, Sequence

@@ -30,11 +30,12 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger.batch import M_ID, M_OFFSET, M_PARTITION, M_TOPIC
 from stock_ledger.clients import connect_database, kafka_options
 from stock_ledger.domain import Movement, RejectCode, parse
 from stock_ledger.errors import ConfigError, StockLedgerError
 from stock_ledger.progress import Progress
-from stock_ledger.sink import _add_levels
+from stock_ledger.sink import add_levels
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -535,15 +536,15 @@ async def _replay_batch(conn: asyncpg.Connection, rows: Sequence[asyncpg.Record]
         columns = list(zip(*movements, strict=True))
         inserted = {(x["kafka_topic"], x["kafka_partition"], x["kafka_offset"])
                     for x in await conn.fetch(_REPLAY_INSERT, *columns)}
-    applied = [m for m in movements if (m[6], m[7], m[8]) in inserted]
+    applied = [m for m in movements if (m[M_TOPIC], m[M_PARTITION], m[M_OFFSET]) in inserted]
     for m in movements:
-        if (m[6], m[7], m[8]) not in inserted:
-            stays[by_coordinates[m[6], m[7], m[8]]] = (
+        if (m[M_TOPIC], m[M_PARTITION], m[M_OFFSET]) not in inserted:
+            stays[by_coordinates[m[M_TOPIC], m[M_PARTITION], m[M_OFFSET]]] = (
                 RejectCode.DUPLICATE_MOVEMENT_ID.value,
-                f"movement_id {m[0]} is already in the ledger; not applied twice")
+                f"movement_id {m[M_ID]} is already in the ledger; not applied twice")
     if applied:
-        await conn.execute(_DELETE_REPLAYED, [by_coordinates[m[6], m[7], m[8]] for m in applied])
-        await _add_levels(conn, applied)
+        await conn.execute(_DELETE_REPLAYED, [by_coordinates[m[M_TOPIC], m[M_PARTITION], m[M_OFFSET]] for m in applied])
+        await add_levels(conn, applied)
     if stays:
         ids = sorted(stays)
         await conn.execute(_RECORD_ATTEMPTS, ids, [f"{stays[i][0]}: {stays[i][1]}" for i in ids])

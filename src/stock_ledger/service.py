@@ -24,6 +24,7 @@ from aiokafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
 
 from stock_ledger.assignment import Assignment
+from stock_ledger.batch import Batch, build_batch
 from stock_ledger.claims import Claimer
 from stock_ledger.clients import check_kafka, connect_database, kafka_options
 from stock_ledger.errors import FencedError
@@ -33,7 +34,7 @@ from stock_ledger.metrics import Metrics
 from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
 from stock_ledger.retry import Abandoned, Retrier
-from stock_ledger.sink import Batch, Ledger, Outcome, build_batch, session_name
+from stock_ledger.sink import Ledger, Outcome, session_name
 from stock_ledger.topics import refuse_compacted
 
 if TYPE_CHECKING:

@@ -24,21 +24,37 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import asyncpg
-import msgspec
 import structlog
 
-from stock_ledger.domain import Movement, RejectCode, Rejection, parse, pg_text
+from stock_ledger.batch import (
+    M_ID,
+    M_OFFSET,
+    M_PARTITION,
+    M_QTY,
+    M_SKU,
+    M_WAREHOUSE,
+    MOVEMENT_COLUMNS,
+    R_CODE,
+    R_KEY,
+    R_OFFSET,
+    R_PARTITION,
+    R_REASON,
+    R_TOPIC,
+    R_VALUE,
+    REJECT_COLUMNS,
+    Batch,
+    quarantined,
+)
+from stock_ledger.domain import RejectCode, pg_text
 from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerIntegrityError, OffsetRegressionError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
 
     from stock_ledger.faults import Faults
     from stock_ledger.gaps import Gap
@@ -47,18 +63,6 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 log = structlog.get_logger(__name__)
-
-MOVEMENT_COLUMNS: Final = (
-    "movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at",
-    "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp",
-)
-REJECT_COLUMNS: Final = (
-    "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp",
-    "key", "value", "reason_code", "reason", "movement_id",
-)
-_PARTITION: Final = MOVEMENT_COLUMNS.index("kafka_partition")
-_REJECT_PARTITION: Final = REJECT_COLUMNS.index("kafka_partition")
-
 
 def session_name(group_id: str) -> str:
     """The application_name of this group's sessions (PostgreSQL keeps 63 bytes of it)."""
@@ -113,140 +117,12 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True)
-class PartitionSlice:
-    partition: int
-    epoch: int
-    first_offset: int
-    next_offset: int
-    # Each record's Kafka timestamp, for the latency metric; not part of what identifies the slice.
-    timestamps_ms: list[int] = field(default_factory=list, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """The parts of a Kafka record the ledger needs (aiokafka's ConsumerRecord satisfies this shape)."""
-
-    partition: int
-    offset: int
-    timestamp: int  # ms since the epoch, or -1
-    key: bytes | None
-    value: bytes | None
-
-
-@dataclass(slots=True)
-class Batch:
-    topic: str
-    slices: list[PartitionSlice]
-    movements: list[tuple[Any, ...]]
-    rejects: list[tuple[Any, ...]]
-    # The raw (key, value) of each movement, parallel to `movements`: kept if the row is quarantined later.
-    raw: list[tuple[bytes | None, bytes | None]] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return len(self.movements) + len(self.rejects)
-
-    @property
-    def timestamps_ms(self) -> list[int]:
-        """Every record's Kafka timestamp as it came (-1: none)."""
-        return [ts for x in self.slices for ts in x.timestamps_ms]
-
-    @property
-    def times_ms(self) -> list[int]:
-        """The Kafka timestamps that are times (the latency metric's input)."""
-        return [ts for x in self.slices for ts in x.timestamps_ms if 0 <= ts <= MAX_TIMESTAMP_MS]
-
-    @property
-    def bad_timestamps(self) -> int:
-        """Records whose Kafka timestamp is neither -1 (none) nor a time PostgreSQL and Python can hold (a producer
-        that sends microseconds, a negative value): stored as NULL kafka_timestamp, counted for the metric."""
-        return sum(1 for x in self.slices for ts in x.timestamps_ms if ts != -1 and not 0 <= ts <= MAX_TIMESTAMP_MS)
-
-    def without(self, partitions: set[int]) -> Batch | None:
-        """The same batch without these partitions (from the rows we hold, no re-fetch); None if nothing is left."""
-        slices = [x for x in self.slices if x.partition not in partitions]
-        if not slices:
-            return None
-        keep = [i for i, m in enumerate(self.movements) if m[_PARTITION] not in partitions]
-        return Batch(self.topic, slices, [self.movements[i] for i in keep],
-                     [r for r in self.rejects if r[_REJECT_PARTITION] not in partitions], [self.raw[i] for i in keep])
-
-
-@dataclass(frozen=True, slots=True)
 class Outcome:
     applied: int
     rejected: Counter[str]
     already_applied: bool = False
     # Splits of a chunk the database refused (0 unless a record got past the parser that PostgreSQL refuses).
     bisections: int = 0
-
-
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-# The last millisecond Python's datetime can hold (9999-12-31T23:59:59.999Z); timestamptz reaches further.
-MAX_TIMESTAMP_MS: Final = (datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC) - _EPOCH) // timedelta(
-    milliseconds=1)
-
-
-def _ts(ms: int) -> datetime | None:
-    """A Kafka record timestamp as a datetime; None for -1 (no timestamp) and anything out of range."""
-    if not 0 <= ms <= MAX_TIMESTAMP_MS:
-        return None
-    return _EPOCH + timedelta(milliseconds=ms)  # exact, unlike a float division
-
-
-def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int]) -> Batch:
-    """Parse records into COPY-ready rows. Pure. `records` holds each partition's records in offset order."""
-    movements: list[tuple[Any, ...]] = []
-    rejects: list[tuple[Any, ...]] = []
-    slices: list[PartitionSlice] = []
-    raw: list[tuple[bytes | None, bytes | None]] = []
-    # Keyed by UUID.int: uuid.UUID hashes in Python code, an int in C. This loop runs once per record.
-    seen_ids: set[int] = set()
-    # Records produced in the same millisecond share a timestamp (~70% of them under load): one datetime each.
-    stamps: dict[int, datetime | None] = {}
-    for partition in sorted(records):
-        recs = records[partition]
-        if not recs:
-            continue
-        slices.append(PartitionSlice(partition, epochs[partition], recs[0].offset, recs[-1].offset + 1,
-                                     [r.timestamp for r in recs]))
-        for r in recs:
-            ms = r.timestamp
-            kafka_ts = stamps.get(ms)
-            if kafka_ts is None:
-                kafka_ts = stamps[ms] = _ts(ms)
-            parsed = parse(r.key, r.value)
-            if isinstance(parsed, Movement):
-                mid = parsed.movement_id
-                if mid.int not in seen_ids:
-                    seen_ids.add(mid.int)
-                    movements.append((mid, parsed.warehouse_id, parsed.sku, parsed.qty, parsed.kind,
-                                      parsed.occurred_at, topic, partition, r.offset, kafka_ts))
-                    raw.append((r.key, r.value))
-                    continue
-                parsed = Rejection(
-                    RejectCode.DUPLICATE_MOVEMENT_ID,
-                    f"movement_id {mid} appears earlier in this batch; applied once, this copy kept here",
-                )
-            rejects.append((
-                topic, partition, r.offset, kafka_ts, r.key, r.value, parsed.code.value, pg_text(parsed.reason),
-                None if parsed.code is RejectCode.TOO_DEEP else _movement_id_of(r.value),
-            ))
-    return Batch(topic, slices, movements, rejects, raw)
-
-
-class _JustTheId(msgspec.Struct):
-    movement_id: uuid.UUID
-
-
-def _movement_id_of(value: bytes | None) -> uuid.UUID | None:
-    """Best effort, so quarantine can be searched by movement_id; bad input may have none."""
-    if value is None:
-        return None
-    try:
-        return msgspec.json.decode(value, type=_JustTheId).movement_id
-    except (msgspec.DecodeError, RecursionError):
-        return None
 
 
 # The claim takes a partition only from a claim of the same or an older Kafka generation: a claim that started
@@ -406,7 +282,7 @@ class Ledger:
                 ) from exc
             raise  # movement_id raced in from another partition's batch: retriable, the retry quarantines it
         self.faults.reached("after_commit")
-        return Outcome(written.applied, Counter(r[6] for r in written.rejects), bisections=written.bisections)
+        return Outcome(written.applied, Counter(r[R_CODE] for r in written.rejects), bisections=written.bisections)
 
     async def _transaction(
         self, conn: asyncpg.Connection, batch: Batch, *, look_up_known: bool, isolate: bool,
@@ -433,7 +309,7 @@ class Ledger:
                 if rejects:
                     await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
             self.faults.reached("after_rows")
-            await _add_levels(conn, movements)
+            await add_levels(conn, movements)
             self.faults.reached("before_commit")
         return _Written(len(movements), rejects, bisections)
 
@@ -470,25 +346,25 @@ class Ledger:
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         if not batch.movements:
             return batch.movements, batch.rejects
-        known = {r[0] for r in await conn.fetch(_KNOWN_IDS, [m[0] for m in batch.movements])}
+        known = {r[0] for r in await conn.fetch(_KNOWN_IDS, [m[M_ID] for m in batch.movements])}
         if not known:
             return batch.movements, batch.rejects
         movements, rejects = [], list(batch.rejects)
         for m, (key, value) in zip(batch.movements, batch.raw, strict=True):
-            if m[0] in known:
-                rejects.append((
-                    m[6], m[7], m[8], m[9], key, value, RejectCode.DUPLICATE_MOVEMENT_ID.value,
-                    f"movement_id {m[0]} is already in the ledger (an upstream resend); not applied twice", m[0],
+            if m[M_ID] in known:
+                rejects.append(quarantined(
+                    m, key, value, RejectCode.DUPLICATE_MOVEMENT_ID,
+                    f"movement_id {m[M_ID]} is already in the ledger (an upstream resend); not applied twice",
                 ))
             else:
                 movements.append(m)
         return movements, rejects
 
 
-async def _add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, ...]]) -> None:
+async def add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, ...]]) -> None:
     deltas: defaultdict[tuple[str, str], int] = defaultdict(int)
     for m in movements:
-        deltas[m[1], m[2]] += m[3]
+        deltas[m[M_WAREHOUSE], m[M_SKU]] += m[M_QTY]
     if not deltas:
         return
     keys = sorted(deltas)
@@ -551,12 +427,9 @@ def _quarantine_refused(
     """Quarantine rows for movement rows the database refused, with the record's raw bytes and the refusal."""
     if not refused:
         return []
-    raw = {(m[7], m[8]): kv for m, kv in zip(batch.movements, batch.raw, strict=True)}
-    rows = []
-    for m, why in refused:
-        key, value = raw.get((m[7], m[8]), (None, None))
-        rows.append((m[6], m[7], m[8], m[9], key, value, RejectCode.DATABASE_REJECTED.value, pg_text(why), m[0]))
-    return rows
+    raw = {(m[M_PARTITION], m[M_OFFSET]): kv for m, kv in zip(batch.movements, batch.raw, strict=True)}
+    return [quarantined(m, *raw.get((m[M_PARTITION], m[M_OFFSET]), (None, None)), RejectCode.DATABASE_REJECTED, why)
+            for m, why in refused]
 
 
 async def _copy_bare_rejects(
@@ -565,8 +438,8 @@ async def _copy_bare_rejects(
     """Quarantine rows the database refused in turn get stored bare: coordinates, raw bytes (bytea holds anything)
     and the refusal. If even that is refused, the coordinates themselves are bad: no Kafka record has such."""
     rows = [
-        (r[0], r[1], r[2], None, r[4], r[5], RejectCode.DATABASE_REJECTED.value,
-         pg_text(f"{why}; the original reason was: {r[7]}"), None)
+        (r[R_TOPIC], r[R_PARTITION], r[R_OFFSET], None, r[R_KEY], r[R_VALUE], RejectCode.DATABASE_REJECTED.value,
+         pg_text(f"{why}; the original reason was: {r[R_REASON]}"), None)
         for r, why in refused
     ]
     if rows:

@@ -8,9 +8,10 @@ import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from stock_ledger.batch import Record, build_batch
 from stock_ledger.domain import Movement, Rejection, parse
 from stock_ledger.faults import Faults
-from stock_ledger.sink import Ledger, Record, build_batch
+from stock_ledger.sink import Ledger
 from tests.fuzz import batches, new_topic
 from tests.helpers import Env
 

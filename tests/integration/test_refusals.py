@@ -18,10 +18,11 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from stock_ledger.batch import MOVEMENT_COLUMNS, Batch, Record, build_batch
 from stock_ledger.domain import RejectCode
 from stock_ledger.errors import CoordinateConflictError
 from stock_ledger.faults import Faults
-from stock_ledger.sink import MOVEMENT_COLUMNS, Batch, Ledger, Record, build_batch
+from stock_ledger.sink import Ledger
 from tests.helpers import Env, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

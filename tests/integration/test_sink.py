@@ -11,10 +11,11 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from stock_ledger.batch import Record, build_batch
 from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerIntegrityError, OffsetRegressionError
 from stock_ledger.faults import Faults
 from stock_ledger.gaps import find_gap
-from stock_ledger.sink import Ledger, Record, build_batch
+from stock_ledger.sink import Ledger
 from tests.helpers import Env, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stock_ledger.batch import MOVEMENT_COLUMNS, REJECT_COLUMNS, PartitionSlice, Record, build_batch
 from stock_ledger.domain import RejectCode
-from stock_ledger.sink import MOVEMENT_COLUMNS, REJECT_COLUMNS, PartitionSlice, Record, build_batch
 
 TOPIC = "warehouse.movements"
 TS = 1_764_411_330_250  # 2025-11-29T10:15:30.250Z
