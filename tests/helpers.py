@@ -238,6 +238,12 @@ async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
         await consumer.stop()
 
 
+async def stored_offsets(conn: asyncpg.Connection, group: str, topic: str) -> dict[int, int | None]:
+    """consumer_offsets of one group and topic: partition -> next_offset (None: claimed, nothing applied yet)."""
+    return {r[0]: r[1] for r in await conn.fetch(
+        "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+
+
 async def wait_drained(services: Services, db: Env, topic: str, group: str, timeout: float,
                        pool: WorkerPool | None = None) -> None:
     """Wait until the stored offsets reach every partition's log end."""
@@ -246,9 +252,7 @@ async def wait_drained(services: Services, db: Env, topic: str, group: str, time
     conn = await asyncpg.connect(db.owner_url)
     try:
         while True:
-            stored = {r[0]: r[1] for r in await conn.fetch(
-                "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-                group, topic)}
+            stored = await stored_offsets(conn, group, topic)
             behind = {p: e - (stored.get(p) or 0) for p, e in ends.items() if e > (stored.get(p) or 0)}
             if not behind:
                 return
@@ -286,8 +290,7 @@ async def ledger_state(services: Services, db: Env, topic: str, group: str) -> L
         mismatches = await conn.fetchval("""
             SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS t FROM stock_movements GROUP BY 1, 2) m
             FULL JOIN stock_levels l USING (warehouse_id, sku) WHERE coalesce(m.t, 0) <> coalesce(l.on_hand, 0)""")
-        stored = {r[0]: r[1] for r in await conn.fetch(
-            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+        stored = await stored_offsets(conn, group, topic)
     finally:
         await conn.close()
     gaps: dict[int, list[int]] = {}
@@ -328,8 +331,7 @@ async def assert_atomic(db: Env, topic: str, group: str) -> tuple[int, int]:
     try:
         # One snapshot: other workers may be committing while we look.
         await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        stored = {r[0]: r[1] or 0 for r in await conn.fetch(
-            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+        stored = {p: o or 0 for p, o in (await stored_offsets(conn, group, topic)).items()}
         per_partition = {r[0]: (r[1], r[2]) for r in await conn.fetch("""
             SELECT kafka_partition, count(*), max(kafka_offset) FROM (
                 SELECT kafka_partition, kafka_offset FROM stock_movements WHERE kafka_topic = $1

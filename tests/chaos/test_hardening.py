@@ -26,6 +26,7 @@ from tests.helpers import (
     end_offsets,
     eventually,
     process_state,
+    stored_offsets,
     wait_drained,
 )
 
@@ -49,11 +50,10 @@ def cli(workers: WorkerPool, url: str, *args: str) -> subprocess.CompletedProces
                           timeout=180, check=False)
 
 
-async def stored_offsets(db: Env, group: str, topic: str) -> dict[int, int]:
+async def stored_now(db: Env, group: str, topic: str) -> dict[int, int | None]:
     conn = await asyncpg.connect(db.owner_url)
     try:
-        return {r[0]: r[1] for r in await conn.fetch(
-            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2", group, topic)}
+        return await stored_offsets(conn, group, topic)
     finally:
         await conn.close()
 
@@ -66,7 +66,7 @@ async def drained_then_holed(services: Services, database: Env, topic: str, work
     await wait_drained(services, database, topic, workers.group, 120, workers)
     first.signal(signal.SIGTERM)
     assert first.wait(30) == 0
-    stored = await stored_offsets(database, workers.group, topic)
+    stored = await stored_now(database, workers.group, topic)
     await produce(services.kafka, topic, 2_400, seed=32, show_progress=False)
     ends = await end_offsets(services.kafka, topic)
     assert all(ends[p] > stored[p] + 5 for p in HOLED), (ends, stored)
@@ -85,7 +85,7 @@ async def test_a_retention_hole_halts_its_partition_and_says_so_everywhere(
     worker = workers.start()
 
     async def others_drained() -> bool:
-        stored, ends = await stored_offsets(database, workers.group, topic), await end_offsets(services.kafka, topic)
+        stored, ends = await stored_now(database, workers.group, topic), await end_offsets(services.kafka, topic)
         return all(stored.get(p) == e for p, e in ends.items() if p not in holes)
 
     await eventually(others_drained, 120, "the partitions without a hole to drain", workers)
@@ -96,7 +96,7 @@ async def test_a_retention_hole_halts_its_partition_and_says_so_everywhere(
     assert "halted on a hole in the log" in body
     assert f"partition 0: offsets {holes[0]}-{holes[0] + 4} (5 records) were deleted" in body
     assert '"gap.halted"' in worker.log_text()
-    assert await stored_offsets(database, workers.group, topic) | holes == await stored_offsets(
+    assert await stored_now(database, workers.group, topic) | holes == await stored_offsets(
         database, workers.group, topic)  # nothing moved past a hole
     done = cli(workers, database.owner_url, "verify")
     assert done.returncode == 1, done.stdout
@@ -149,7 +149,7 @@ async def test_a_hole_that_opens_while_the_worker_runs_is_caught_by_the_fetch(
     await produce(services.kafka, topic, 2_400, seed=41, show_progress=False)
     worker = workers.start(STOCK_LEDGER_SESSION_TIMEOUT_MS="45000", STOCK_LEDGER_REBALANCE_TIMEOUT_MS="60000")
     await wait_drained(services, database, topic, workers.group, 120, workers)
-    stored = await stored_offsets(database, workers.group, topic)
+    stored = await stored_now(database, workers.group, topic)
     worker.signal(signal.SIGSTOP)
     try:
         await produce(services.kafka, topic, 2_400, seed=42, show_progress=False)
@@ -158,7 +158,7 @@ async def test_a_hole_that_opens_while_the_worker_runs_is_caught_by_the_fetch(
         worker.signal(signal.SIGCONT)
     await eventually(lambda: '"gap.halted"' in worker.log_text(), 60, "the hole to be found", workers)
     assert '"claim.reexamine"' in worker.log_text()
-    after = await stored_offsets(database, workers.group, topic)
+    after = await stored_now(database, workers.group, topic)
     assert {p: after[p] for p in HOLED} == {p: stored[p] for p in HOLED}
     workers.assert_no_tracebacks()
 
