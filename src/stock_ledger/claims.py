@@ -22,9 +22,10 @@ import structlog
 from aiokafka import TopicPartition
 from aiokafka.errors import IllegalStateError
 
+from stock_ledger.clients import session_name
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.gaps import Gap, find_gap
-from stock_ledger.sink import Unblock, session_name
+from stock_ledger.sink import Unblock
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence

@@ -11,11 +11,14 @@ unreachable broker stays a transient `KafkaConnectionError` that the caller retr
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import ssl
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
+from aiokafka import AIOKafkaConsumer
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.errors import (
     IllegalSaslStateError,
@@ -169,3 +172,40 @@ def _database_problem(exc: BaseException) -> ConnectionSecurityError | None:
         return ConnectionSecurityError(f"PostgreSQL refused the login: {exc}. Check the user and password in "
                                        "DATABASE_URL (or DATABASE_URL_FILE)")
     return None
+
+
+def make_consumer(settings: Settings) -> AIOKafkaConsumer:
+    """The worker's group consumer (not yet subscribed)."""
+    s = settings
+    return AIOKafkaConsumer(
+        bootstrap_servers=s.kafka_bootstrap_servers,
+        group_id=s.group_id,
+        group_instance_id=s.group_instance_id,
+        client_id=f"stock-ledger-{socket.gethostname()}",
+        enable_auto_commit=False,  # offsets live in PostgreSQL, committed with the rows
+        # Never reset a position silently: a fetch below the log start (retention) or past its end (topic
+        # recreated) raises, and claims.py decides (STOCK_LEDGER_ON_GAP). The reset policy applies only to
+        # partitions with no stored offset, resolved by the claim.
+        auto_offset_reset="none",
+        isolation_level="read_committed",  # never apply a movement from an aborted producer transaction
+        session_timeout_ms=s.session_timeout_ms,
+        heartbeat_interval_ms=max(100, s.session_timeout_ms // 3),
+        rebalance_timeout_ms=s.rebalance_timeout_ms,
+        max_poll_interval_ms=max(300_000, s.rebalance_timeout_ms),
+        fetch_max_wait_ms=min(500, s.batch_max_wait_ms),
+        **kafka_options(s),
+    )
+
+
+async def connect_worker(settings: Settings) -> asyncpg.Connection:
+    """The worker's session; its application_name names the group, so a claim can tell a zombie of its own group
+    among the sessions that block it (sink.Unblock)."""
+    return await connect_database(settings, application_name=session_name(settings.group_id))
+
+
+def session_name(group_id: str) -> str:
+    """The application_name of this group's sessions (PostgreSQL keeps 63 bytes of it)."""
+    name = f"stock-ledger/{group_id}"
+    if len(name.encode()) > 63:
+        name = f"stock-ledger/{hashlib.sha256(group_id.encode()).hexdigest()[:32]}"
+    return name

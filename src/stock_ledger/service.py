@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import signal
-import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import IllegalStateError, KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
@@ -26,42 +25,25 @@ from prometheus_client import CollectorRegistry
 from stock_ledger.assignment import Assignment
 from stock_ledger.batch import Batch, build_batch
 from stock_ledger.claims import Claimer
-from stock_ledger.clients import check_kafka, connect_database, kafka_options
+from stock_ledger.clients import check_kafka, connect_worker, kafka_options, make_consumer
 from stock_ledger.errors import FencedError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
 from stock_ledger.metrics import Metrics
 from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
+from stock_ledger.rebalance import Rebalance
 from stock_ledger.retry import Abandoned, Retrier
-from stock_ledger.sink import Ledger, Outcome, session_name
+from stock_ledger.sink import Ledger, Outcome
 from stock_ledger.topics import refuse_compacted
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
 
     import asyncpg
 
     from stock_ledger.config import Settings
 
 log = structlog.get_logger(__name__)
-
-
-async def connect(settings: Settings) -> asyncpg.Connection:
-    """The worker's session; its application_name names the group, so a claim can tell a zombie of its own group
-    among the sessions that block it."""
-    return await connect_database(settings, application_name=session_name(settings.group_id))
-
-
-class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, worker: Worker) -> None:
-        self._worker = worker
-
-    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
-        await self._worker.on_revoked(revoked)
-
-    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
-        self._worker.on_assigned(assigned)
 
 
 class Worker:
@@ -71,10 +53,13 @@ class Worker:
         self.ledger = Ledger(settings.group_id, Faults(settings.fault))
         self.assignment = Assignment()
         self.stopping = asyncio.Event()
-        self.consumer = self._make_consumer()
-        self.claimer = Claimer(settings, self.ledger, self.assignment, self.consumer, self.metrics,
-                               functools.partial(connect, settings))
+        self.consumer = make_consumer(settings)
         self._batch_lock = asyncio.Lock()
+        self.consumer.subscribe([settings.topic], listener=Rebalance(
+            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000,
+            self._update_ready))
+        self.claimer = Claimer(settings, self.ledger, self.assignment, self.consumer, self.metrics,
+                               functools.partial(connect_worker, settings))
         self._conn: asyncpg.Connection | None = None
         self._db_ok = False
         self._last_progress = time.monotonic()
@@ -105,9 +90,10 @@ class Worker:
         log.info("worker.starting", settings=s.loggable())
         http = HttpServer("0.0.0.0", s.metrics_port, self.metrics.registry, self.liveness, self.readiness)  # noqa: S104
         await http.start()
-        monitor = PositionMonitor(s, self.metrics, functools.partial(connect, s))
+        monitor = PositionMonitor(s, self.metrics, functools.partial(connect_worker, s))
         try:
-            self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect, s), "startup.retry")
+            self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect_worker, s),
+                                           "startup.retry")
             await check_schema(self._conn)
             self._db_ok = True
             # One plain connection first: aiokafka reports a bad password or certificate only as "Unable to
@@ -128,29 +114,6 @@ class Worker:
                 await self._conn.close(timeout=2)
             await http.close()
             log.info("worker.stopped")
-
-    def _make_consumer(self) -> AIOKafkaConsumer:
-        s = self.settings
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka_bootstrap_servers,
-            group_id=s.group_id,
-            group_instance_id=s.group_instance_id,
-            client_id=f"stock-ledger-{socket.gethostname()}",
-            enable_auto_commit=False,  # offsets live in PostgreSQL, committed with the rows
-            # Never reset a position silently: a fetch below the log start (retention) or past its end (topic
-            # recreated) raises, and claims.py decides (STOCK_LEDGER_ON_GAP). The reset policy applies only to
-            # partitions with no stored offset, resolved by the claim.
-            auto_offset_reset="none",
-            isolation_level="read_committed",  # never apply a movement from an aborted producer transaction
-            session_timeout_ms=s.session_timeout_ms,
-            heartbeat_interval_ms=max(100, s.session_timeout_ms // 3),
-            rebalance_timeout_ms=s.rebalance_timeout_ms,
-            max_poll_interval_ms=max(300_000, s.rebalance_timeout_ms),
-            fetch_max_wait_ms=min(500, s.batch_max_wait_ms),
-            **kafka_options(s),
-        )
-        consumer.subscribe([s.topic], listener=_Listener(self))
-        return consumer
 
     async def _close_consumer(self) -> None:
         try:
@@ -186,36 +149,6 @@ class Worker:
 
     def _update_ready(self) -> None:
         self.metrics.ready.set(1 if self._db_ok and self.assignment.readiness()[0] else 0)
-
-    # ---------------------------------------------------------------- rebalance (aiokafka's coordination task)
-
-    def on_assigned(self, assigned: Sequence[TopicPartition]) -> None:
-        # Synchronously, before any await: the fetcher would otherwise start from Kafka's committed offsets.
-        self.consumer.pause(*assigned)
-        self.assignment.assigned(tp.partition for tp in assigned)
-        self.metrics.rebalances.inc()
-        self._update_ready()
-        log.info("rebalance.assigned", partitions=sorted(tp.partition for tp in assigned),
-                 generation=self.claimer.generation()[0])
-
-    async def on_revoked(self, revoked: Sequence[TopicPartition]) -> None:
-        started = time.monotonic()
-        partitions = [tp.partition for tp in revoked]
-        # Wait for the in-flight batch, bounded well inside the rebalance timeout. If it is still running after
-        # that, the database fences it anyway once the new owner claims: this wait only avoids pointless rollbacks.
-        try:
-            await asyncio.wait_for(self._batch_lock.acquire(), self.settings.rebalance_timeout_ms / 2000)
-        except TimeoutError:
-            log.warning("rebalance.revoke_without_waiting", waited_seconds=round(time.monotonic() - started, 1))
-            self.assignment.revoked(partitions)
-        else:
-            try:
-                self.assignment.revoked(partitions)
-            finally:
-                self._batch_lock.release()
-        self.metrics.assigned_partitions.set(len(self.assignment.epochs))
-        log.info("rebalance.revoked", partitions=sorted(partitions),
-                 waited_seconds=round(time.monotonic() - started, 3))
 
     # ---------------------------------------------------------------- main loop
 
@@ -332,7 +265,7 @@ class Worker:
             log.info("db.reconnect", reason="the server closed our session while it was idle")
             self._conn = None
         if self._conn is None:
-            self._conn = await connect(self.settings)
+            self._conn = await connect_worker(self.settings)
         self._db_ok = True
         return self._conn
 

@@ -23,7 +23,6 @@ and 5,000 index probes, and its cached generic plan could turn into a sequential
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -63,14 +62,6 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 log = structlog.get_logger(__name__)
-
-def session_name(group_id: str) -> str:
-    """The application_name of this group's sessions (PostgreSQL keeps 63 bytes of it)."""
-    name = f"stock-ledger/{group_id}"
-    if len(name.encode()) > 63:
-        name = f"stock-ledger/{hashlib.sha256(group_id.encode()).hexdigest()[:32]}"
-    return name
-
 
 @dataclass(frozen=True, slots=True)
 class Unblock:

@@ -1,0 +1,88 @@
+"""The worker's lifecycle pieces that need no services: signal handling (as uvicorn's handle_exit), liveness and
+readiness. The guarantee itself is tested on the real services (tests/chaos, tests/integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from stock_ledger.config import Settings
+from stock_ledger.service import Worker
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest_asyncio.fixture
+async def make() -> AsyncIterator[Callable[..., Worker]]:
+    """Workers that never connect; their (unstarted) Kafka consumers are closed afterwards."""
+    made: list[Worker] = []
+
+    def build(**overrides: object) -> Worker:
+        settings = replace(Settings(database_url="postgresql://u:p@127.0.0.1:1/x"), **overrides)
+        made.append(Worker(settings, CollectorRegistry()))
+        return made[-1]
+
+    yield build
+    for w in made:
+        if w._main is not None and not w._main.done():
+            w._main.cancel()
+        await w.consumer.stop()
+
+
+class TestHandleExit:
+    async def test_the_first_signal_drains_then_cancels_after_grace(self, make: Callable[..., Worker]) -> None:
+        """1. SIGTERM: stop is requested, the main task keeps running (it finishes its batch).
+        2. If it is still running when the grace period ends, it is cancelled."""
+        w = make(shutdown_grace_seconds=0.2)
+        w._main = asyncio.create_task(asyncio.sleep(30))
+        w.handle_exit(signal.SIGTERM)
+        assert w.stopping.is_set()
+        await asyncio.sleep(0.05)
+        assert not w._main.done()
+        await asyncio.sleep(0.3)
+        assert w._main.cancelled()
+
+    async def test_a_second_signal_exits_at_once(self, make: Callable[..., Worker]) -> None:
+        """1. SIGTERM starts the drain (grace 60 s). 2. SIGINT: the main task is cancelled now."""
+        w = make(shutdown_grace_seconds=60)
+        w._main = asyncio.create_task(asyncio.sleep(30))
+        w.handle_exit(signal.SIGTERM)
+        w.handle_exit(signal.SIGINT)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert w._main.cancelled()
+
+    async def test_a_drain_that_finishes_in_time_is_not_cancelled(self, make: Callable[..., Worker]) -> None:
+        w = make(shutdown_grace_seconds=0.2)
+        w._main = asyncio.create_task(w.stopping.wait())
+        w.handle_exit(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        assert w._main.done()
+        assert not w._main.cancelled()
+
+
+class TestHealth:
+    async def test_not_ready_before_the_database_and_the_group(self, make: Callable[..., Worker]) -> None:
+        w = make()
+        assert await w.readiness() == (False, "PostgreSQL not connected")
+        w._db_ok = True
+        assert await w.readiness() == (False, "not yet a member of the consumer group")
+
+    async def test_a_retried_fault_keeps_the_worker_live_but_not_ready(self, make: Callable[..., Worker]) -> None:
+        """A transient database fault: /healthz stays 200 (the loop retries, alive), /readyz turns 503."""
+        w = make(stall_seconds=1)
+        w._db_ok = True
+        w.assignment.assigned([0])
+        w.assignment.claimed(w.assignment.begin_claim(), {0: (1, 0)})
+        assert (await w.readiness())[0]
+        w._last_progress -= 5
+        assert not (await w.liveness())[0]
+        w._on_fault("database", ConnectionResetError())
+        assert (await w.liveness())[0]
+        assert await w.readiness() == (False, "PostgreSQL not connected")
