@@ -14,6 +14,7 @@ a claim can wait on a zombie's lock). For each pending partition it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import TYPE_CHECKING, Final
@@ -75,9 +76,13 @@ class Claimer:
         if not ticket.partitions:
             return
         generation, member_id = self.generation()
+        self._ledger.faults.reached("before_claim")
         claims = await self._ledger.claim(conn, self._s.topic, ticket.partitions, generation, member_id,
                                           force=self._force_due(), unblock=self._unblock)
-        self._note_refused(ticket.partitions, claims, generation)
+        if self._note_refused(ticket.partitions, claims, generation):
+            # Stale: the rebalance that tells us so arrives with a heartbeat; claiming in a tight loop meanwhile
+            # would only load the database.
+            await asyncio.sleep(min(1.0, self._s.session_timeout_ms / 3000))
         starts, halted = await self._positions(conn, claims)
         if not self._assignment.claimed(ticket, starts, {p: g.describe() for p, g in halted.items()}):
             return  # a newer rebalance happened meanwhile; its own claim (a newer epoch) supersedes this one
@@ -96,14 +101,15 @@ class Claimer:
         limit = 3 * self._s.session_timeout_ms / 1000
         return self._refused_since is not None and time.monotonic() - self._refused_since > limit
 
-    def _note_refused(self, wanted: Sequence[int], claims: list[Claim], generation: int | None) -> None:
+    def _note_refused(self, wanted: Sequence[int], claims: list[Claim], generation: int | None) -> bool:
         refused = sorted(set(wanted) - {c.partition for c in claims})
         if not refused:
             self._refused_since = None
-            return
+            return False
         self._refused_since = self._refused_since or time.monotonic()
         log.warning("claim.superseded", partitions=refused, generation=generation,
                     detail="a claim of a newer group generation owns these partitions; waiting for the rebalance")
+        return True
 
     async def _positions(self, conn: asyncpg.Connection,
                          claims: list[Claim]) -> tuple[dict[int, tuple[int, int]], dict[int, Gap]]:

@@ -6,7 +6,8 @@ it takes `action`:
     stop  SIGSTOP itself: frozen mid-step, as in a long GC pause; the test thaws it with SIGCONT
     hang  (after_read only) the main loop waits for shutdown while the event loop and HTTP server live on: a
           stalled worker, as seen by /healthz
-Points, in batch order:
+Points, in order:
+    before_claim   the claim's Kafka generation read, the claim not yet sent (a claim delayed across a rebalance)
     after_read     records fetched, nothing written
     during_copy    inside the transaction, the server waiting for data in the middle of the movements' COPY
                    (where it ignores statement_timeout and idle_in_transaction_session_timeout)
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-POINTS: Final = ("after_read", "during_copy", "after_rows", "before_commit", "after_commit")
+POINTS: Final = ("before_claim", "after_read", "during_copy", "after_rows", "before_commit", "after_commit")
 _ACTIONS: Final = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": None}
 
 

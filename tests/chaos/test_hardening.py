@@ -220,3 +220,23 @@ async def test_a_second_consumer_group_on_the_same_database_is_refused(
     assert f"holds the ledger of consumer group '{workers.group}', not 'stock-ledger-other'" in other.log_text()
     await assert_exact(services, database, topic, workers.group, rows=500, pool=workers)
     await asyncio.sleep(0)
+
+
+async def test_a_claim_delayed_across_a_rebalance_never_fences_the_new_owner(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """Worker A reads its group generation for a claim and freezes before sending it. Its session expires, B joins,
+    is assigned everything under a newer generation and claims it. A thaws and sends its old claim: it takes
+    nothing (claim.superseded); B is never fenced, and the ledger ends exact."""
+    await produce(services.kafka, topic, 20_000, seed=71, show_progress=False)
+    fast = {"STOCK_LEDGER_SESSION_TIMEOUT_MS": "4000"}
+    a = workers.start(**fast, STOCK_LEDGER_FAULT="before_claim:stop")
+    await eventually(lambda: process_state(a.pid) == "T", 60, "worker A to freeze before its claim", workers)
+    b = workers.start(**fast)
+    await eventually(lambda: b.metric("stock_ledger_assigned_partitions") == 24, 60, "B to claim all 24", workers)
+    a.signal(signal.SIGCONT)
+    await eventually(lambda: '"claim.superseded"' in a.log_text(), 60, "A's stale claim to be refused", workers)
+    await wait_drained(services, database, topic, workers.group, 120, workers)
+    assert b.metric("stock_ledger_batches_fenced_total") == 0, workers.logs_tail()
+    await assert_exact(services, database, topic, workers.group, rows=20_000, pool=workers)
+    workers.assert_no_tracebacks()

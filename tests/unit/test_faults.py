@@ -32,8 +32,9 @@ class TestSpec:
     """`point[@n][:kill|stop]`, comma-separated; anything else is a configuration error."""
 
     def test_the_points_are_the_crash_points_in_batch_order(self) -> None:
-        """The four moments of the first issue, plus `during_copy` (hardening issue: a worker frozen mid-COPY)."""
-        assert POINTS == ("after_read", "during_copy", "after_rows", "before_commit", "after_commit")
+        """The four moments of the first issue, plus `during_copy` (a worker frozen mid-COPY) and `before_claim` (a
+        claim delayed across a rebalance) of the hardening issue."""
+        assert POINTS == ("before_claim", "after_read", "during_copy", "after_rows", "before_commit", "after_commit")
 
     @pytest.mark.parametrize("spec", [None, "", " ", ",", " , "])
     def test_no_spec_arms_nothing(self, spec: str | None) -> None:
