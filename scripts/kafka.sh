@@ -122,6 +122,7 @@ case "${1:-start}" in
   start) start ;;
   stop) stop ;;
   restart) stop; start ;;
+  jars) fetch_jars ;;
   status) if running || port_open "$KAFKA_PORT"; then echo "running"; else echo "stopped"; exit 1; fi ;;
-  *) echo "usage: $0 start|stop|restart|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|restart|status|jars" >&2; exit 2 ;;
 esac

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import gc
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +108,20 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+class _Terminated(BaseException):
+    """SIGTERM outside the worker's own handler: unwinds like Ctrl-C (transactions roll back, connections close)."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # As a container's PID 1 the process gets no default action for SIGTERM (the kernel drops it), so `migrate`,
+    # `verify`, `produce` would run on until SIGKILL at the end of the grace period. `run` replaces this with its
+    # graceful drain once the loop runs (service.serve); before that, SIGTERM stops startup the same way.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         settings = load_settings(os.environ)
         logs.configure(settings.log_level, settings.log_format)
@@ -133,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        print(f"stock-ledger {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":
