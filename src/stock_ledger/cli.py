@@ -116,11 +116,34 @@ def _raise_terminated(_signum: int, _frame: object) -> None:
     raise _Terminated
 
 
+async def _until_sigterm(command: Coroutine[Any, Any, int]) -> int:
+    """Runs a subcommand; SIGTERM cancels it. As a container's PID 1 the process gets no default action for
+    SIGTERM (the kernel drops it), so `migrate`, `verify`, `produce` would otherwise run on until the SIGKILL at
+    the end of the grace period. `run` replaces this handler with its graceful drain (service.serve)."""
+    task = asyncio.current_task()
+    assert task is not None  # noqa: S101 - always inside the runner's main task
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await command
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # As a container's PID 1 the process gets no default action for SIGTERM (the kernel drops it), so `migrate`,
-    # `verify`, `produce` would run on until SIGKILL at the end of the grace period. `run` replaces this with its
-    # graceful drain once the loop runs (service.serve); before that, SIGTERM stops startup the same way.
+    # Until the event loop runs (imports, settings), a SIGTERM unwinds from wherever Python is.
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         settings = load_settings(os.environ)
@@ -132,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "produce": lambda: _produce(settings, args),
             "verify": lambda: _verify(settings, args),
         }
-        return _runner()(handlers[args.command]())
+        return _runner()(_until_sigterm(handlers[args.command]()))
     except ConfigError as exc:
         print(f"stock-ledger: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -95,6 +95,7 @@ def silent_broker() -> Iterator[str]:
         server.close()
 
 
+@pytest.mark.asyncio
 class TestSigtermAsPid1:
     """Each subcommand is the container's PID 1 (ENTRYPOINT stock-ledger): the kernel drops a SIGTERM that has
     no handler there. `podman stop` sends SIGTERM and must not have to fall back to SIGKILL."""
@@ -151,6 +152,7 @@ class TestSigtermAsPid1:
         containers.env = settings_env(services, topic_name, f"sl-test-{uuid.uuid4().hex[:8]}")
         if command[0] == "verify":
             containers.once("migrate", env={"DATABASE_URL": blank_database.owner_url})
+            containers.once("create-topic", "--partitions", "24")
             await produce(services.kafka, topic_name, 100, show_progress=False)
         with silent_broker() as silent:
             env = {"DATABASE_URL": blank_database.owner_url}
@@ -164,6 +166,7 @@ class TestSigtermAsPid1:
         assert (code, elapsed < 10) == (143, True), f"exit {code} after {elapsed:.1f}s\n{containers.logs(name)}"
 
 
+@pytest.mark.asyncio
 @pytest.mark.timeout(600)
 async def test_three_force_kills_of_the_worker_container_lose_and_duplicate_nothing(
     containers: Containers, services: Services, blank_database: Env, topic_name: str,
