@@ -231,9 +231,13 @@ service() {
 }
 
 cleanup() {
+    # What an interrupted test run can leave: containers of tests/containers (label stock-ledger.test) and of
+    # testcontainers, whose reaper (Ryuk) cannot run here.
     command -v podman >/dev/null || return 0
-    podman pod rm -f --filter label=stock-ledger.test=true >/dev/null 2>&1 || true
-    podman ps -aq --filter label=stock-ledger.test=true | xargs -r podman rm -f >/dev/null 2>&1 || true
+    local label
+    for label in stock-ledger.test=true org.testcontainers=true; do
+        podman ps -aq --filter "label=$label" | xargs -r podman rm -f -t 0 >/dev/null 2>&1 || true
+    done
 }
 
 main() {

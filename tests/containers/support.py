@@ -25,8 +25,10 @@ def podman_path() -> str:
     return found
 
 
-def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([podman_path(), *args], capture_output=True, text=True, timeout=timeout, check=False)
+def podman(*args: str, check: bool = True, timeout: float = 120,
+           input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([podman_path(), *args], capture_output=True, text=True, timeout=timeout, check=False,
+                          input=input_text)
     if check and done.returncode != 0:
         msg = f"podman {' '.join(args)} failed ({done.returncode}):\n{done.stderr}{done.stdout}"
         raise AssertionError(msg)
