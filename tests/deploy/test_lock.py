@@ -35,7 +35,7 @@ def lock_entries() -> dict[str, tuple[str, list[str], str]]:
         head = block.split("\\", 1)[0].strip()
         requirement = Requirement(head)
         specs = list(requirement.specifier)
-        assert len(specs) == 1 and specs[0].operator == "==", f"lock entry {head!r} is not an exact pin; {HINT}"
+        assert [spec.operator for spec in specs] == ["=="], f"lock entry {head!r} is not an exact pin; {HINT}"
         entries[canonicalize_name(requirement.name)] = (
             specs[0].version, re.findall(r"--hash=sha256:([0-9a-f]{64})", block), str(requirement.marker or ""))
     return entries
