@@ -38,7 +38,7 @@ base_image() {
 install() {
     local missing=()
     local tool
-    for tool in podman buildah runc mmdebstrap prometheus promtool iptables; do
+    for tool in podman buildah runc mmdebstrap prometheus promtool iptables curl; do
         command -v "$tool" >/dev/null || missing+=("$tool")
     done
     if ((${#missing[@]} > 0)); then
@@ -49,7 +49,7 @@ install() {
         # (containernetworking-plugins) comes through containers-common; iptables is what the bridge's port
         # mapping needs. Only promtool/prometheus are wanted from `prometheus`: not its exporters or web assets.
         DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
-            podman buildah runc catatonit uidmap iptables mmdebstrap >/dev/null
+            podman buildah runc catatonit uidmap iptables mmdebstrap curl >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
             --no-install-recommends prometheus >/dev/null
     fi

@@ -3,7 +3,7 @@
 `promtool test rules` (tests/promtool) feeds the rules synthetic series; here Prometheus evaluates them against
 what the workers really export, with the labels a PodMonitor adds (namespace, pod, container, job
 `<namespace>/<podmonitor>`). The rules are the chart's rendered PrometheusRule with every `for:` and range window
-shortened (one minute -> two seconds); the expressions are otherwise the same, which the test checks.
+shortened (one minute -> one second); the expressions are otherwise the same, which the test checks.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .chart import NAMESPACE, RELEASE, ROOT, one, render
 pytestmark = [pytest.mark.container, pytest.mark.integration, pytest.mark.asyncio]
 
 JOB = f"{NAMESPACE}/{RELEASE}-stock-ledger"  # the job label the Prometheus Operator gives a PodMonitor's targets
-SECONDS_PER_MINUTE = 2  # rules for the test: `for: 5m` -> 10s, `[10m]` -> 20s
+SECONDS_PER_MINUTE = 1  # rules for the test: `for: 5m` -> 5s, `[10m]` -> 10s (scraped and evaluated every 1s)
 DURATION = re.compile(r"\b(\d+)m\b")
 # Labels every alert expression aggregates by or selects on, beside the metrics' own.
 TARGET_LABELS = ("namespace", "pod", "job", "instance")
@@ -273,7 +273,7 @@ async def test_rules_on_a_real_prometheus_scraping_one_then_two_workers(
                 wanted = labels | set(TARGET_LABELS)
                 assert all(wanted <= set(s) for s in series), f"{family}: series lack {wanted}: {series[:2]}"
             await asyncio.sleep(SECONDS_PER_MINUTE * 5)  # past every shortened window since start-up
-            await observe_quiet(prometheus, 10)
+            await observe_quiet(prometheus, 8)
 
             # 2. A second worker.
             b = workers.start(STOCK_LEDGER_GROUP_INSTANCE_ID="wb", **slow_session)
@@ -287,7 +287,7 @@ async def test_rules_on_a_real_prometheus_scraping_one_then_two_workers(
                 owners = await members(database, topic, workers.group)
             await until(lambda: prometheus.value("sum(stock_ledger_ready)") == 2, 60, "both workers ready")
             await asyncio.sleep(SECONDS_PER_MINUTE * 10 + 2)  # the rebalance's fenced batches age out of [5m]
-            await observe_quiet(prometheus, 10)
+            await observe_quiet(prometheus, 8)
 
             # 3. Freeze A while its partitions keep receiving movements.
             partitions[:] = sorted(owners["wa"])
