@@ -144,7 +144,14 @@ async def _until_sigterm(command: Coroutine[Any, Any, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Until the event loop runs (imports, settings), a SIGTERM unwinds from wherever Python is.
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(os.environ)
         logs.configure(settings.log_level, settings.log_format)
