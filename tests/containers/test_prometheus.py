@@ -297,6 +297,9 @@ async def test_rules_on_a_real_prometheus_scraping_one_then_two_workers(
                 firing = await until(lambda: wanted <= {n for n, _ in prometheus.firing()} and prometheus.firing(),
                                      120, "TargetDown and Stalled firing")
                 assert ("StockLedgerTargetDown", "ledger-stock-ledger-a") in firing, firing
+                for alert in prometheus.alerts():  # what the pager shows links the runbook's section
+                    name = alert["labels"]["alertname"]
+                    assert alert["annotations"].get("runbook_url", "").endswith(f"runbook.md#{name.lower()}"), alert
                 assert ("StockLedgerTargetDown", "ledger-stock-ledger-b") not in firing, firing
             finally:
                 a.signal(signal.SIGCONT)
