@@ -107,7 +107,7 @@ base() {
     if timeout 60 podman pull -q "$name" >/dev/null 2>&1; then
         return
     fi
-    log "no registry answered: building a stand-in for $name from Debian packages (mmdebstrap, about a minute)"
+    log "no registry answered: building a stand-in for $name from Debian packages (mmdebstrap, a few minutes)"
     standin "$name"
 }
 
