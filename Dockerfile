@@ -13,14 +13,16 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 WORKDIR /src
-# Dependencies layer: it depends on pyproject.toml alone, so an edit to the source reuses it.
-COPY pyproject.toml ./
-RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
-        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt
-# The package itself; .dockerignore narrows the context to what a wheel build needs.
+# Dependencies layer: it depends on pyproject.toml and the hash-pinned lock alone, so an edit to the source reuses
+# it. --require-hashes: every distribution is checked against requirements.lock (`make lock` regenerates it);
+# binary wheels only, so nothing is compiled from an unpinned build environment.
+COPY pyproject.toml requirements.lock ./
+RUN pip install --require-hashes --only-binary=:all: --no-deps -r requirements.lock
+# The package itself; .dockerignore narrows the context to what a wheel build needs. The worker needs neither pip
+# nor setuptools at run time: they leave the venv once `pip check` has seen the whole dependency set.
 COPY . .
-RUN pip install --no-deps . && pip check
+RUN pip install --no-deps . && pip check \
+    && pip uninstall -q -y pip setuptools
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 ARG PYTHON_VERSION

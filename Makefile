@@ -41,9 +41,43 @@ lint: venv
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
 
-test: venv services tools lint
+test: venv services tools lint containers
 	@echo "== running the whole test suite against the real broker and database"
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-testcontainers
 
 bench: venv services
 	$(PY) scripts/bench.py $(BENCH_ARGS)
+
+# --- Containers: the image, its lock, and the tests that run what we ship (scripts/containers.sh) ---
+UV_VERSION ?= 0.13.8
+LOCK_COMMAND = $(BIN)/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
+	--quiet --custom-compile-command 'make lock' -o requirements.lock
+TESTCONTAINERS_ENV = env -u KAFKA_BOOTSTRAP_SERVERS -u DATABASE_URL \
+	DOCKER_HOST=$$(scripts/containers.sh service socket) TESTCONTAINERS_RYUK_DISABLED=true \
+	TESTCONTAINERS_CONNECTION_MODE=docker_host \
+	STOCK_LEDGER_KAFKA_IMAGE=localhost/stock-ledger-kafka:4.1.1 \
+	STOCK_LEDGER_POSTGRES_IMAGE=localhost/stock-ledger-postgres:15
+
+.PHONY: lock image containers test-testcontainers
+
+# Regenerates requirements.lock (hash-pinned, what the image installs) from pyproject.toml's dependencies.
+lock: venv
+	@test -x $(BIN)/uv || $(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(LOCK_COMMAND)
+
+# localhost/stock-ledger:dev from the Dockerfile with podman (a stand-in base where no registry answers).
+image:
+	scripts/containers.sh image
+
+# Everything the container tests need: the image, and local Kafka/PostgreSQL images for testcontainers.
+containers: image
+	scripts/containers.sh test-images
+
+# The path a laptop with a container engine takes: tests/conftest.py starts Kafka and PostgreSQL through
+# testcontainers, here against podman's Docker-compatible API; the core ledger tests run once on them.
+test-testcontainers: venv containers
+	@echo "== the core ledger tests through testcontainers (podman's Docker API)"
+	scripts/containers.sh service start
+	$(TESTCONTAINERS_ENV) $(PY) -m pytest tests/integration/test_ledger.py; \
+		status=$$?; scripts/containers.sh service stop; scripts/containers.sh cleanup; exit $$status

@@ -218,7 +218,8 @@ case "${1:-start}" in
   stop) stop ;;
   restart) stop; start ;;
   libs) fetch_jars; echo "$cache/libs" ;;
+  jars) fetch_jars ;;
   status) if running || port_open "$KAFKA_PORT"; then echo "running"; else echo "stopped"; exit 1; fi ;;
   secure-env) secure_env ;;
-  *) echo "usage: $0 start|stop|restart|status|libs|secure-env" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|restart|status|libs|jars|secure-env" >&2; exit 2 ;;
 esac

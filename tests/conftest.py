@@ -3,7 +3,9 @@
 Where they come from, in order:
 1. KAFKA_BOOTSTRAP_SERVERS and DATABASE_URL are both set: use them (DATABASE_URL must be able to CREATE DATABASE and
    CREATE ROLE; each test gets its own database and topic).
-2. A Docker engine answers: testcontainers start Kafka and PostgreSQL.
+2. A Docker engine answers (DOCKER_HOST, or podman's Docker API: `make test-testcontainers`): testcontainers start
+   Kafka (STOCK_LEDGER_KAFKA_IMAGE, default apache/kafka:4.1.1) and PostgreSQL (STOCK_LEDGER_POSTGRES_IMAGE,
+   default postgres:15).
 3. Otherwise: scripts/kafka.sh and scripts/postgres.sh start them on this machine (idempotent).
 """
 
@@ -16,6 +18,7 @@ import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -23,7 +26,7 @@ import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from stock_ledger.migrate import migrate
-from tests.helpers import Env, Services, WorkerPool
+from tests.helpers import Env, Services, WorkerPool, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_PASSWORD = "stock_ledger_worker"  # noqa: S105 - a local test role
@@ -60,6 +63,50 @@ def _script(name: str, *args: str) -> str:
     return done.stdout.strip()
 
 
+def _kafka_container(image: str) -> Any:
+    """apache/kafka's own contract (KAFKA_* variables become server.properties) for a single KRaft node.
+
+    testcontainers' KafkaContainer drives Confluent's image layout (/etc/confluent/docker/...) and its
+    with_kraft() refuses any tag below 7.0.0, so apache/kafka:4.1.1 cannot start through it. The advertised
+    listener must name the port the host sees, so that port is chosen before the start.
+    """
+    from testcontainers.core.container import DockerContainer  # noqa: PLC0415
+    from testcontainers.core.wait_strategies import LogMessageWaitStrategy  # noqa: PLC0415
+
+    port = free_port()
+    env = {
+        "KAFKA_NODE_ID": "1", "KAFKA_PROCESS_ROLES": "broker,controller",
+        "KAFKA_LISTENERS": "PLAINTEXT://0.0.0.0:9092,CONTROLLER://127.0.0.1:9093",
+        "KAFKA_ADVERTISED_LISTENERS": f"PLAINTEXT://127.0.0.1:{port}",
+        "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
+        "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@127.0.0.1:9093",
+        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1", "KAFKA_OFFSETS_TOPIC_NUM_PARTITIONS": "1",
+        "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1", "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
+        "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR": "1",
+        "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR": "1",
+        # The same fast-test settings as scripts/kafka.sh.
+        "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0", "KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS": "1000",
+        "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
+    }
+    container = DockerContainer(image).with_bind_ports(9092, port)
+    for key, value in env.items():
+        container = container.with_env(key, value)
+    return container.waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(120)), port
+
+
+def _testcontainers() -> Iterator[Services]:
+    try:  # testcontainers >= 4.14 moved the module and warns (an error here) on the old path
+        from testcontainers.community.postgres import PostgresContainer  # noqa: PLC0415
+    except ImportError:
+        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
+
+    kafka, port = _kafka_container(os.environ.get("STOCK_LEDGER_KAFKA_IMAGE", "apache/kafka:4.1.1"))
+    with kafka, PostgresContainer(os.environ.get("STOCK_LEDGER_POSTGRES_IMAGE", "postgres:15")) as p:
+        url = p.get_connection_url(driver=None).replace("postgresql+psycopg2://", "postgresql://")
+        yield Services(f"127.0.0.1:{port}", url, origin="testcontainers")
+
+
 @pytest.fixture(scope="session")
 def services() -> Iterator[Services]:
     kafka, db = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("DATABASE_URL")
@@ -67,12 +114,7 @@ def services() -> Iterator[Services]:
         yield Services(kafka, db, origin="environment")
         return
     if _docker_engine():
-        from testcontainers.kafka import KafkaContainer  # noqa: PLC0415
-        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
-
-        with KafkaContainer("apache/kafka:4.1.1").with_kraft() as k, PostgresContainer("postgres:15") as p:
-            url = p.get_connection_url(driver=None).replace("postgresql+psycopg2://", "postgresql://")
-            yield Services(k.get_bootstrap_server(), url, origin="testcontainers")
+        yield from _testcontainers()
         return
     _script("kafka.sh", "start")
     _script("postgres.sh", "start")

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import json
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Any, Final
 
@@ -189,18 +190,55 @@ async def _gaps(settings: Settings, args: argparse.Namespace) -> int:
         print(f"#{r['id']} {r['group_id']} {r['topic']}/{r['partition']} offsets {r['first_offset']}-"
               f"{r['last_offset']} ({r['records']} records, {r['reason']}, detected {detected}) {state}")
     return 0
+class _Terminated(BaseException):
+    """SIGTERM outside the worker's own handler: unwinds like Ctrl-C (transactions roll back, connections close)."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise _Terminated
+
+
+async def _until_sigterm(command: Coroutine[Any, Any, int]) -> int:
+    """Runs a subcommand; SIGTERM cancels it. As a container's PID 1 the process gets no default action for
+    SIGTERM (the kernel drops it), so `migrate`, `verify`, `produce` would otherwise run on until the SIGKILL at
+    the end of the grace period. `run` replaces this handler with its graceful drain (service.serve)."""
+    task = asyncio.current_task()
+    assert task is not None  # noqa: S101 - always inside the runner's main task
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await command
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Until the event loop runs (imports, settings), a SIGTERM unwinds from wherever Python is.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(os.environ)
         logs.configure(settings.log_level, settings.log_format)
         from stock_ledger.operate import handler  # noqa: PLC0415 - operator commands (issue 13)
 
-        operator_command = handler(settings, args)
-        if operator_command is not None:
-            return _runner()(operator_command())
         handlers: dict[str, Callable[[], Coroutine[Any, Any, int]]] = {
             "run": lambda: _run(settings),
             "migrate": lambda: _migrate(settings),
@@ -209,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "verify": lambda: _verify(settings, args),
             "gaps": lambda: _gaps(settings, args),
         }
-        return _runner()(handlers[args.command]())
+        command = handler(settings, args) or handlers[args.command]
+        return _runner()(_until_sigterm(command()))
     except ConfigError as exc:
         print(f"stock-ledger: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -223,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        print(f"stock-ledger {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

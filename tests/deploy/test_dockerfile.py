@@ -217,12 +217,27 @@ class TestBuildStage:
         build = stages[0]
         copies = [i.flags_and_operands()[1] for i in build.all("COPY")]
         assert copies, "the build stage copies nothing"
-        assert copies[0][:-1] == ["pyproject.toml"], "copy pyproject.toml alone first (dependency layer)"
+        assert copies[0][:-1] == ["pyproject.toml", "requirements.lock"], (
+            "copy pyproject.toml and requirements.lock alone first (dependency layer)"
+        )
         first_copy = build.all("COPY")[0].line
         source_copy = build.all("COPY")[1].line
         installs = [i for i in build.all("RUN") if "pip install" in i.args]
         assert any(first_copy < i.line < source_copy for i in installs), (
             "install dependencies before copying src"
+        )
+
+    def test_dependencies_come_from_the_lock_with_hashes(self, stages: list[Stage]) -> None:
+        """Every dependency is checked against requirements.lock's hashes; nothing else resolves them."""
+        installs = [i.args for i in stages[0].all("RUN") if "pip install" in i.args and "-r " in i.args]
+        assert len(installs) == 1, "install dependencies once, from requirements.lock"
+        assert "--require-hashes" in installs[0], "install with `pip install --require-hashes`"
+        assert "-r requirements.lock" in installs[0]
+
+    def test_the_venv_ships_without_pip_and_setuptools(self, stages: list[Stage]) -> None:
+        last = stages[0].all("RUN")[-1].args
+        assert re.search(r"pip uninstall .*\bpip\b.*\bsetuptools\b", last), (
+            "the build stage's last step removes pip and setuptools from the venv the runtime copies"
         )
 
     def test_runtime_takes_only_the_venv_from_the_build(self, final: Stage, stages: list[Stage]) -> None:
@@ -250,7 +265,7 @@ class TestHygiene:
         ]
         assert patterns[0] == "*", ".dockerignore must exclude everything first, then re-include"
         included = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
-        assert {"pyproject.toml", "src", "migrations", "scripts/chaos.sh"} <= included
+        assert {"pyproject.toml", "requirements.lock", "src", "migrations", "scripts/chaos.sh"} <= included
         assert not included & {".venv", ".git", "tests"}
 
 
