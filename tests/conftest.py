@@ -23,10 +23,9 @@ from typing import Any
 import asyncpg
 import pytest
 import pytest_asyncio
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from stock_ledger.migrate import migrate
-from tests.helpers import Env, Services, WorkerPool, free_port
+from tests.helpers import Env, Services, WorkerPool, free_port, scratch_database, scratch_topic
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_PASSWORD = "stock_ledger_worker"  # noqa: S105 - a local test role
@@ -149,42 +148,18 @@ def worker_role(services: Services) -> str:
 @pytest_asyncio.fixture
 async def database(services: Services, worker_role: str) -> AsyncIterator[Env]:
     """A fresh, migrated database; `owner_url` for setup and checks, `worker_url` for the workers."""
-    name = f"sl_test_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(services.admin_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    owner_url = services.url_for(name)
-    await migrate(owner_url, ROOT / "migrations")
-    yield Env(owner_url=owner_url, worker_url=services.url_for(name, user=worker_role, password=WORKER_PASSWORD),
-              name=name)
-    admin = await asyncpg.connect(services.admin_url)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with scratch_database(services) as name:
+        owner_url = services.url_for(name)
+        await migrate(owner_url, ROOT / "migrations")
+        yield Env(owner_url=owner_url,
+                  worker_url=services.url_for(name, user=worker_role, password=WORKER_PASSWORD), name=name)
 
 
 @pytest_asyncio.fixture
 async def topic(services: Services) -> AsyncIterator[str]:
     """A fresh topic with the production shape: 24 partitions."""
-    name = f"warehouse.movements.test-{uuid.uuid4().hex[:10]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, 24, 1)])
-    finally:
-        await admin.close()
-    yield name
-    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-    await admin.start()
-    try:
-        await admin.delete_topics([name])
-    except Exception:  # noqa: S110 - cleanup of a test topic is best effort
-        pass
-    finally:
-        await admin.close()
+    async with scratch_topic(services) as name:
+        yield name
 
 
 @pytest.fixture

@@ -16,14 +16,14 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,51 @@ class Env:
     owner_url: str
     worker_url: str
     name: str
+
+
+@contextlib.asynccontextmanager
+async def scratch_database(services: Services) -> AsyncIterator[str]:
+    """A new, empty database (its name), dropped afterwards."""
+    name = f"sl_test_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(services.admin_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield name
+    finally:
+        admin = await asyncpg.connect(services.admin_url)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def scratch_topic(services: Services, partitions: int | None = 24, configs: dict[str, str] | None = None,
+                        prefix: str = "warehouse.movements.test-") -> AsyncIterator[str]:
+    """A new topic (its name; partitions=None: only the name, for code under test that creates it), deleted
+    afterwards (best effort)."""
+    name = f"{prefix}{uuid.uuid4().hex[:10]}"
+    if partitions is not None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
+        finally:
+            await admin.close()
+    try:
+        yield name
+    finally:
+        admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
+        await admin.start()
+        try:
+            await admin.delete_topics([name])
+        except Exception:  # noqa: S110 - cleanup of a test topic is best effort
+            pass
+        finally:
+            await admin.close()
 
 
 def free_port() -> int:

@@ -6,15 +6,12 @@ databases and topics are the test's own, like in tests/integration.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
-import asyncpg
 import pytest
 import pytest_asyncio
-from aiokafka.admin import AIOKafkaAdminClient
 
-from tests.helpers import Env, Services
+from tests.helpers import Env, Services, scratch_database, scratch_topic
 
 from .support import Containers, require_image
 
@@ -36,31 +33,13 @@ def containers(image: str) -> Iterator[Containers]:
 @pytest_asyncio.fixture
 async def blank_database(services: Services, worker_role: str) -> AsyncIterator[Env]:
     """A fresh database with no schema: the image's `migrate` creates it."""
-    name = f"sl_test_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(services.admin_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    yield Env(owner_url=services.url_for(name),
-              worker_url=services.url_for(name, user=worker_role, password=WORKER_PASSWORD), name=name)
-    admin = await asyncpg.connect(services.admin_url)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with scratch_database(services) as name:
+        yield Env(owner_url=services.url_for(name),
+                  worker_url=services.url_for(name, user=worker_role, password=WORKER_PASSWORD), name=name)
 
 
 @pytest_asyncio.fixture
 async def topic_name(services: Services) -> AsyncIterator[str]:
     """A unique topic name; the image's `create-topic` creates it, the fixture deletes it."""
-    name = f"warehouse.movements.test-{uuid.uuid4().hex[:10]}"
-    yield name
-    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-    await admin.start()
-    try:
-        await admin.delete_topics([name])
-    except Exception:  # noqa: S110 - cleanup of a test topic is best effort
-        pass
-    finally:
-        await admin.close()
+    async with scratch_topic(services, partitions=None) as name:
+        yield name

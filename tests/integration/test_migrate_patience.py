@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -19,7 +18,7 @@ from structlog.testing import capture_logs
 
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.migrate import MigrateOptions, migrate
-from tests.helpers import free_port
+from tests.helpers import free_port, scratch_database
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -65,18 +64,8 @@ def migrations() -> Path:
 
 @pytest_asyncio.fixture
 async def empty_database(services: Services) -> AsyncIterator[str]:
-    name = f"sl_test_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(services.admin_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    yield services.url_for(name)
-    admin = await asyncpg.connect(services.admin_url)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with scratch_database(services) as name:
+        yield services.url_for(name)
 
 
 async def test_waits_for_a_database_that_is_not_up_yet(empty_database: str, worker_role: str,

@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tests.helpers import Env, Services, WorkerPool, assert_exact, eventually, movement, send_raw, wait_drained
+from tests.helpers import (
+    Env,
+    Services,
+    WorkerPool,
+    assert_exact,
+    eventually,
+    movement,
+    scratch_topic,
+    send_raw,
+    wait_drained,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 GOOD = 150  # good movements before and after the poison, each
@@ -110,23 +118,9 @@ async def test_values_postgresql_text_cannot_hold_are_quarantined_and_stop_nothi
 async def far_future_topic(services: Services) -> AsyncIterator[str]:
     """A topic that accepts record timestamps any distance in the future (Kafka 4 refuses those more than
     `message.timestamp.after.max.ms`, default 1 h, ahead; older clusters and raised topics accept them)."""
-    name = f"warehouse.movements.test-ts-{uuid.uuid4().hex[:10]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, 6, 1, topic_configs={
-            "message.timestamp.after.max.ms": str(2**63 - 1)})])
-    finally:
-        await admin.close()
-    yield name
-    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-    await admin.start()
-    try:
-        await admin.delete_topics([name])
-    except Exception:  # noqa: S110 - cleanup of a test topic is best effort
-        pass
-    finally:
-        await admin.close()
+    async with scratch_topic(services, 6, {"message.timestamp.after.max.ms": str(2**63 - 1)},
+                             prefix="warehouse.movements.test-ts-") as name:
+        yield name
 
 
 async def test_a_record_timestamp_past_year_9999_is_stored_as_null_and_counted(
