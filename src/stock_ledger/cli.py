@@ -1,4 +1,4 @@
-"""`stock-ledger run | migrate | create-topic | produce | verify`.
+"""`stock-ledger run | migrate | create-topic | produce | verify | stock show | movements`.
 
 Exit codes: 0 success; 1 failure (the message says what went wrong and what to do); 2 bad configuration or usage.
 """
@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check the ledger against the topic; exit 0 only if all checks hold")
     verify.add_argument("--expect", type=int, default=None, help="expected number of rows in stock_movements")
     verify.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for lag 0")
+    _add_signal_parsers(sub)
     return parser
 
 
@@ -107,6 +108,74 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+# ---- warehouse signals (issue 16): `stock show`, `movements`; read-only, see stock.py ------------------------
+
+def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from stock_ledger.stock import positive_int, rfc3339  # noqa: PLC0415 - keep `--help` fast
+
+    time_help = "RFC 3339 with an offset, e.g. 2026-11-29T10:00:00+01:00"
+    stock = sub.add_parser("stock", help="on-hand per (warehouse, sku): now, or as of a time (read-only)")
+    show = stock.add_subparsers(dest="stock_command", required=True).add_parser(
+        "show", help="on-hand of a warehouse's SKUs, now or as of --at",
+        description="On-hand now (from stock_levels), or as of --at T: the sum of the movements whose occurred_at "
+                    "is <= T. That is business time (when the movement happened, as the producer says), not the "
+                    "order the ledger applied movements in: a late-arriving movement that occurred before T counts.")
+    show.add_argument("--warehouse", required=True, help="warehouse_id (exact)")
+    show.add_argument("--sku", help="one SKU only")
+    show.add_argument("--negative", action="store_true",
+                      help="only levels below zero; now: with when each went negative (when the ledger applied it)")
+    show.add_argument("--at", type=rfc3339, metavar="T", help=f"as of business time T ({time_help})")
+    show.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    moves = sub.add_parser(
+        "movements", help="a SKU's movement history with running on-hand and Kafka coordinates (read-only)",
+        description="A SKU's movements in application order: Kafka offset order within the SKU's partition (the "
+                    "topic is keyed by SKU), i.e. the order the ledger applied them; on_hand is the warehouse's "
+                    "running on-hand right after each row. Each row names its Kafka record (topic/partition/offset) "
+                    "so it can be traced to the producer.")
+    moves.add_argument("--sku", required=True, help="the SKU (exact)")
+    moves.add_argument("--warehouse", help="one warehouse only (default: every warehouse, on_hand per warehouse)")
+    moves.add_argument("--since", type=rfc3339, metavar="T",
+                       help=f"only movements that occurred at or after T, business time ({time_help})")
+    moves.add_argument("--limit", type=positive_int, default=100, metavar="N",
+                       help="show the newest N of the selected rows (default 100)")
+    moves.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+
+async def _read_only(settings: Settings) -> asyncpg.Connection:
+    # Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write.
+    return await asyncpg.connect(settings.require_database_url(), server_settings={
+        "application_name": "stock-ledger-cli", "default_transaction_read_only": "on"})
+
+
+async def _signal_command(settings: Settings, args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from stock_ledger import stock  # noqa: PLC0415
+
+    conn = await _read_only(settings)
+    try:
+        if args.command == "stock":
+            found = await stock.levels(conn, args.warehouse, sku=args.sku, negative=args.negative, at=args.at)
+            options = {"at": args.at, "negative": args.negative}
+            out = (json.dumps(stock.levels_json(found, args.warehouse, **options)) if args.json
+                   else stock.render_levels(found, args.warehouse, **options))
+        else:
+            history = await stock.history(conn, args.sku, warehouse=args.warehouse, since=args.since,
+                                          limit=args.limit)
+            options = {"warehouse": args.warehouse, "since": args.since, "limit": args.limit}
+            out = (json.dumps(stock.history_json(history, args.sku, **options)) if args.json
+                   else stock.render_history(history, args.sku, **options))
+    except stock.NotFoundError as exc:
+        print(f"stock-ledger: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await conn.close()
+    print(out)
+    return 0
+
+# ---- end of warehouse signals --------------------------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -118,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "create-topic": lambda: _create_topic(settings, args),
             "produce": lambda: _produce(settings, args),
             "verify": lambda: _verify(settings, args),
+            "stock": lambda: _signal_command(settings, args),
+            "movements": lambda: _signal_command(settings, args),
         }
         return _runner()(handlers[args.command]())
     except ConfigError as exc:

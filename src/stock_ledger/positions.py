@@ -4,6 +4,9 @@ Positions (every STOCK_LEDGER_POSITION_REFRESH_SECONDS): log end offsets (ListOf
 offsets (OffsetFetch) and the stored offsets; so a stalled worker still shows its lag growing. Each pod exports
 every partition of the topic; aggregate with max by (topic, partition).
 
+Negative stock (on the position timer): how many (warehouse, sku) levels are below zero and by how much, from the
+partial index stock_levels_negative_idx (migration 0004): it holds the negative levels only.
+
 Invariants (every STOCK_LEDGER_INVARIANT_REFRESH_SECONDS, default 60 s): rows vs distinct coordinates and
 stock_levels vs the sum of movements. Both scan stock_movements once (an index-only scan for the first, a
 sequential scan and hash aggregate for the second): about a second per few million rows. They run in one
@@ -21,6 +24,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger.stock import NEGATIVE_TOTALS
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -54,6 +58,8 @@ class PositionMonitor:
         self._tasks = [
             asyncio.create_task(self._every(self._s.position_refresh_seconds, self._positions), name="positions"),
             asyncio.create_task(self._every(self._s.invariant_refresh_seconds, self._invariants), name="invariants"),
+            asyncio.create_task(self._every(self._s.position_refresh_seconds, self._negative_stock),
+                                name="negative-stock"),
         ]
 
     async def close(self) -> None:
@@ -84,7 +90,8 @@ class PositionMonitor:
     async def _db(self) -> asyncpg.Pool:
         if self._pool is None:
             self._pool = await asyncpg.create_pool(
-                self._s.require_database_url(), min_size=0, max_size=1, timeout=5,
+                # Two: the negative-stock read must not queue behind an invariant scan (seconds on a large ledger).
+                self._s.require_database_url(), min_size=0, max_size=2, timeout=5,
                 server_settings={"application_name": "stock-ledger-metrics"},
             )
         return self._pool
@@ -116,6 +123,13 @@ class PositionMonitor:
             if meta is not None and meta.offset >= 0:
                 self._m.kafka_committed_offset.labels(*labels).set(meta.offset)
                 self._m.drift.labels(*labels).set((db or 0) - meta.offset)
+
+    async def _negative_stock(self) -> None:
+        # Reads the partial index of negative levels and those rows only: cheap at any ledger size, so it can run
+        # on the fast timer (its own task: a Kafka outage that fails _positions must not freeze it).
+        row = await (await self._db()).fetchrow(NEGATIVE_TOTALS)
+        self._m.negative_stock_levels.set(row["levels"])
+        self._m.negative_stock_units.set(row["units"])
 
     async def _invariants(self) -> None:
         pool = await self._db()
