@@ -111,7 +111,7 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
 # ---- warehouse signals (issue 16): `stock show`, `movements`; read-only, see stock.py ------------------------
 
 def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from stock_ledger.stock import positive_int, rfc3339  # noqa: PLC0415 - keep `--help` fast
+    from stock_ledger.stock import positive_int, rfc3339  # noqa: PLC0415 - the block stays self-contained
 
     time_help = "RFC 3339 with an offset, e.g. 2026-11-29T10:00:00+01:00"
     stock = sub.add_parser("stock", help="on-hand per (warehouse, sku): now, or as of a time (read-only)")
@@ -147,12 +147,20 @@ async def _read_only(settings: Settings) -> asyncpg.Connection:
         "application_name": "stock-ledger-cli", "default_transaction_read_only": "on"})
 
 
+async def _say_when_slow(after: float) -> None:
+    # `--at` and `movements` scan stock_movements (no index on it for them: README, "Warehouse signals").
+    await asyncio.sleep(after)
+    print(f"stock-ledger: still reading stock_movements after {after:g}s (a scan: about ten seconds per 20M "
+          "movements on an idle server); narrow with --sku / --warehouse", file=sys.stderr, flush=True)
+
+
 async def _signal_command(settings: Settings, args: argparse.Namespace) -> int:
-    import json  # noqa: PLC0415
+    import json  # noqa: PLC0415 - the block stays self-contained
 
     from stock_ledger import stock  # noqa: PLC0415
 
     conn = await _read_only(settings)
+    notice = asyncio.create_task(_say_when_slow(3.0))
     try:
         if args.command == "stock":
             found = await stock.levels(conn, args.warehouse, sku=args.sku, negative=args.negative, at=args.at)
@@ -169,6 +177,7 @@ async def _signal_command(settings: Settings, args: argparse.Namespace) -> int:
         print(f"stock-ledger: {exc}", file=sys.stderr)
         return 1
     finally:
+        notice.cancel()
         await conn.close()
     print(out)
     return 0
