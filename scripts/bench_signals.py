@@ -264,19 +264,24 @@ def explained_statements(warehouse: str, sku: str, at: datetime) -> list[tuple[s
 
 
 async def bench_explain(admin: str, opts: argparse.Namespace) -> dict[str, Any]:
-    name, url = await scratch_database(admin, "explain")
-    conn = await asyncpg.connect(url)
+    reuse = opts.database is not None  # a database kept by an earlier --keep run: no preload
+    name, url = (opts.database, url_for(admin, opts.database)) if reuse else await scratch_database(admin, "explain")
+    # As `stock show` / `movements` run: without JIT (cli.CLI_SESSION), unless --jit.
+    conn = await asyncpg.connect(url, server_settings=None if opts.jit else {"jit": "off"})
     results: list[dict[str, Any]] = []
     try:
-        await preload(conn, "stock_movements", opts.movements, skus=opts.skus, warehouses=opts.warehouses, offset=0)
-        await conn.execute("""
-            INSERT INTO stock_levels (warehouse_id, sku, on_hand, went_negative_at)
-            SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END
-              FROM stock_movements GROUP BY 1, 2""")
-        say("stock_levels built; VACUUM ANALYZE")
-        await conn.execute("VACUUM ANALYZE")
+        if not reuse:
+            await preload(conn, "stock_movements", opts.movements, skus=opts.skus, warehouses=opts.warehouses,
+                          offset=0)
+            await conn.execute("""
+                INSERT INTO stock_levels (warehouse_id, sku, on_hand, went_negative_at)
+                SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END
+                  FROM stock_movements GROUP BY 1, 2""")
+            say("stock_levels built; VACUUM ANALYZE")
+            await conn.execute("VACUUM ANALYZE")
+        movements = await conn.fetchval("SELECT count(*) FROM stock_movements") if reuse else opts.movements
         size = await conn.fetchval("SELECT pg_size_pretty(pg_total_relation_size('stock_movements'))")
-        at = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=opts.movements // 2)
+        at = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=movements // 2)
         for label, statement, args in explained_statements("WH-001", "SKU-000042", at):
             # EXPLAIN ANALYZE first (it also warms the cache), then one timed run as the CLI would make it.
             plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN (ANALYZE, BUFFERS) {statement}", *args))
@@ -287,11 +292,11 @@ async def bench_explain(admin: str, opts: argparse.Namespace) -> dict[str, Any]:
             say(f"{label}: {seconds:.3f} s")
     finally:
         await conn.close()
-        if opts.keep:
+        if opts.keep or reuse:
             say(f"kept database {name}")
         else:
             await drop_database(admin, name)
-    return {"movements": opts.movements, "table_size": size, "queries": results}
+    return {"movements": movements, "table_size": size, "jit": opts.jit, "queries": results}
 
 
 def render(results: dict[str, Any]) -> str:
@@ -322,6 +327,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--movements", type=int, default=20_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep the explain database")
+    parser.add_argument("--database", help="explain on this database (kept by an earlier --keep run)")
+    parser.add_argument("--jit", action="store_true", help="explain with the server's JIT (the CLI turns it off)")
     return parser.parse_args(argv)
 
 

@@ -10,7 +10,7 @@ import asyncio
 import gc
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 import structlog
@@ -141,17 +141,21 @@ def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     moves.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
+# Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write. No JIT: on a
+# 20M-movement ledger it spent 1.5-2.4 s compiling each 4-9 s scan, and the scans took as long without it
+# (scripts/bench_signals.py explain, README "Warehouse signals"): CPU for nothing on a shared server.
+CLI_SESSION: Final = {"application_name": "stock-ledger-cli", "default_transaction_read_only": "on", "jit": "off"}
+
+
 async def _read_only(settings: Settings) -> asyncpg.Connection:
-    # Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write.
-    return await asyncpg.connect(settings.require_database_url(), server_settings={
-        "application_name": "stock-ledger-cli", "default_transaction_read_only": "on"})
+    return await asyncpg.connect(settings.require_database_url(), server_settings=CLI_SESSION)
 
 
 async def _say_when_slow(after: float) -> None:
     # `--at` and `movements` scan stock_movements (no index on it for them: README, "Warehouse signals").
     await asyncio.sleep(after)
-    print(f"stock-ledger: still reading stock_movements after {after:g}s (a scan: about ten seconds per 20M "
-          "movements on an idle server); narrow with --sku / --warehouse", file=sys.stderr, flush=True)
+    print(f"stock-ledger: still reading stock_movements after {after:g}s (a full scan: 4-8 s per 20M movements "
+          'measured; README, "Warehouse signals")', file=sys.stderr, flush=True)
 
 
 async def _signal_command(settings: Settings, args: argparse.Namespace) -> int:
