@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
@@ -162,3 +163,15 @@ def test_history_json_names_the_order_and_each_kafka_record() -> None:
     assert doc["movements"][1]["kafka"] == {"topic": "warehouse.movements", "partition": 3, "offset": 41}
     assert doc["movements"][1]["movement_id"] == str(uuid.UUID(int=2))
     json.dumps(doc)  # serialisable as is
+
+
+def test_a_slow_read_says_so_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """A scan of a large ledger takes seconds: after the delay, one line on stderr says what is going on."""
+    asyncio.run(cli._say_when_slow(0.01))
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("stock-ledger: still reading stock_movements after 0.01s (a full scan")
+
+
+def test_cli_sessions_are_read_only_whatever_the_role() -> None:
+    assert cli.CLI_SESSION["default_transaction_read_only"] == "on"
