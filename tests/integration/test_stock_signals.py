@@ -269,3 +269,37 @@ async def test_unknown_names_and_bad_times_say_what_to_do(database: Env, reader_
     bad = _cli(reader_url, "stock", "show", "--warehouse", "WH-A", "--at", "2026-11-29 10:00")
     assert bad.returncode == 2
     assert "is not an RFC 3339 time with an offset: write it like 2026-11-29T10:00:00+01:00" in bad.stderr
+
+
+async def test_migration_0004_upgrades_a_ledger_that_already_has_negative_levels(services: Services) -> None:
+    """A ledger at schema 2 with a negative and a positive level is migrated: the negative one gets
+    went_negative_at = its last change (the best bound known), the positive one none, and the CHECK that keeps the
+    two in step holds from then on (a write that breaks it is refused)."""
+    from stock_ledger.migrate import _BOOKKEEPING, load_migrations, migrate  # noqa: PLC0415
+    from tests.conftest import ROOT  # noqa: PLC0415
+
+    name = f"sl_test_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(services.admin_url)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        conn = await asyncpg.connect(services.url_for(name))
+        try:
+            await conn.execute(_BOOKKEEPING)
+            for m in load_migrations(ROOT / "migrations"):
+                if m.version <= 2:  # what production runs today
+                    await conn.execute(m.sql)
+                    await conn.execute("INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                                       m.version, m.name, m.checksum)
+            await conn.execute("""
+                INSERT INTO stock_levels (warehouse_id, sku, on_hand, updated_at) VALUES
+                ('WH-1', 'SKU-NEG', -4, '2026-11-28T10:00:00Z'), ('WH-1', 'SKU-POS', 9, '2026-11-28T11:00:00Z')""")
+            await migrate(services.url_for(name), ROOT / "migrations")
+            rows = {r[0]: r[1] for r in await conn.fetch("SELECT sku, went_negative_at FROM stock_levels")}
+            assert rows == {"SKU-NEG": datetime(2026, 11, 28, 10, 0, tzinfo=UTC), "SKU-POS": None}
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute("UPDATE stock_levels SET on_hand = -1 WHERE sku = 'SKU-POS'")
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
