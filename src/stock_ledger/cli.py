@@ -1,4 +1,4 @@
-"""`stock-ledger run | migrate | create-topic | produce | verify | gaps | offsets | rejected`.
+"""`stock-ledger run | migrate | create-topic | produce | verify | gaps | offsets | rejected | stock show | movements`.
 
 Exit codes: 0 success; 1 failure (the message says what went wrong and what to do); 2 bad configuration or usage.
 """
@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     gaps_ack = gaps_sub.add_parser("ack", help="acknowledge a gap after reconciling stock by hand")
     gaps_ack.add_argument("id", type=int)
     gaps_ack.add_argument("--note", required=True, help="what was reconciled, by whom (kept with the gap)")
+    _add_signal_parsers(sub)
     _operator_commands(parser, sub)
     return parser
 
@@ -72,6 +73,8 @@ _ENVIRONMENT: Final[dict[str, tuple[str, ...]]] = {
     "produce": ("KAFKA_BOOTSTRAP_SERVERS", "STOCK_LEDGER_TOPIC"),
     "verify": ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL", "STOCK_LEDGER_TOPIC", "STOCK_LEDGER_GROUP_ID"),
     "gaps": ("DATABASE_URL (ack: a role that may UPDATE ledger_gaps, e.g. the owner)",),
+    "stock": ("DATABASE_URL (read-only is enough: a member of stock_ledger_reader)",),
+    "movements": ("DATABASE_URL (read-only is enough: a member of stock_ledger_reader)",),
 }
 
 
@@ -221,6 +224,87 @@ async def _until_sigterm(command: Coroutine[Any, Any, int]) -> int:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+# ---- warehouse signals (issue 16): `stock show`, `movements`; read-only, see stock.py ------------------------
+
+def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from stock_ledger.stock import positive_int, rfc3339  # noqa: PLC0415 - the block stays self-contained
+
+    time_help = "RFC 3339 with an offset, e.g. 2026-11-29T10:00:00+01:00"
+    stock = sub.add_parser("stock", help="on-hand per (warehouse, sku): now, or as of a time (read-only)")
+    show = stock.add_subparsers(dest="stock_command", required=True).add_parser(
+        "show", help="on-hand of a warehouse's SKUs, now or as of --at",
+        description="On-hand now (from stock_levels), or as of --at T: the sum of the movements whose occurred_at "
+                    "is <= T. That is business time (when the movement happened, as the producer says), not the "
+                    "order the ledger applied movements in: a late-arriving movement that occurred before T counts.")
+    show.add_argument("--warehouse", required=True, help="warehouse_id (exact)")
+    show.add_argument("--sku", help="one SKU only")
+    show.add_argument("--negative", action="store_true",
+                      help="only levels below zero; now: with when each went negative (when the ledger applied it)")
+    show.add_argument("--at", type=rfc3339, metavar="T", help=f"as of business time T ({time_help})")
+    show.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    moves = sub.add_parser(
+        "movements", help="a SKU's movement history with running on-hand and Kafka coordinates (read-only)",
+        description="A SKU's movements in application order: Kafka offset order within the SKU's partition (the "
+                    "topic is keyed by SKU), i.e. the order the ledger applied them; on_hand is the warehouse's "
+                    "running on-hand right after each row. Each row names its Kafka record (topic/partition/offset) "
+                    "so it can be traced to the producer.")
+    moves.add_argument("--sku", required=True, help="the SKU (exact)")
+    moves.add_argument("--warehouse", help="one warehouse only (default: every warehouse, on_hand per warehouse)")
+    moves.add_argument("--since", type=rfc3339, metavar="T",
+                       help=f"only movements that occurred at or after T, business time ({time_help})")
+    moves.add_argument("--limit", type=positive_int, default=100, metavar="N",
+                       help="show the newest N of the selected rows (default 100)")
+    moves.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+
+# Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write. No JIT: on a
+# 20M-movement ledger it spent 1.5-2.4 s compiling each 4-9 s scan, and the scans took as long without it
+# (scripts/bench_signals.py explain, README "Warehouse signals"): CPU for nothing on a shared server.
+CLI_SESSION: Final = {"application_name": "stock-ledger-cli", "default_transaction_read_only": "on", "jit": "off"}
+
+
+async def _read_only(settings: Settings) -> asyncpg.Connection:
+    from stock_ledger.clients import check_sslmode  # noqa: PLC0415
+
+    return await asyncpg.connect(check_sslmode(settings), server_settings=CLI_SESSION)
+
+
+async def _say_when_slow(after: float) -> None:
+    # `--at` and `movements` scan stock_movements (no index on it for them: README, "Warehouse signals").
+    await asyncio.sleep(after)
+    print(f"stock-ledger: still reading stock_movements after {after:g}s (a full scan: 4-8 s per 20M movements "
+          'measured; README, "Warehouse signals")', file=sys.stderr, flush=True)
+
+
+async def _signal_command(settings: Settings, args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415 - the block stays self-contained
+
+    from stock_ledger import stock  # noqa: PLC0415
+
+    conn = await _read_only(settings)
+    notice = asyncio.create_task(_say_when_slow(3.0))
+    try:
+        if args.command == "stock":
+            found = await stock.levels(conn, args.warehouse, sku=args.sku, negative=args.negative, at=args.at)
+            options = {"at": args.at, "negative": args.negative}
+            out = (json.dumps(stock.levels_json(found, args.warehouse, **options)) if args.json
+                   else stock.render_levels(found, args.warehouse, **options))
+        else:
+            history = await stock.history(conn, args.sku, warehouse=args.warehouse, since=args.since,
+                                          limit=args.limit)
+            options = {"warehouse": args.warehouse, "since": args.since, "limit": args.limit}
+            out = (json.dumps(stock.history_json(history, args.sku, **options)) if args.json
+                   else stock.render_history(history, args.sku, **options))
+    except stock.NotFoundError as exc:
+        print(f"stock-ledger: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        notice.cancel()
+        await conn.close()
+    print(out)
+    return 0
+
+# ---- end of warehouse signals --------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,6 +330,8 @@ def _main(args: argparse.Namespace) -> int:
             "produce": lambda: _produce(settings, args),
             "verify": lambda: _verify(settings, args),
             "gaps": lambda: _gaps(settings, args),
+            "stock": lambda: _signal_command(settings, args),
+            "movements": lambda: _signal_command(settings, args),
         }
         command = handler(settings, args) or handlers[args.command]
         return _runner()(_until_sigterm(command()))

@@ -148,6 +148,13 @@ class Metrics:
         self.level_mismatches = Gauge(_P + "ledger_stock_level_mismatches",
                                       "stock_levels rows that differ from the sum of their movements.",
                                       registry=registry)
+        # Warehouse signals, on the position timer from the partial index of negative levels (positions.py).
+        # Every pod exports the same whole-ledger value: aggregate with max.
+        self.negative_stock_levels = Gauge(_P + "negative_stock_levels",
+                                           "(warehouse, sku) pairs whose on_hand is below zero.", registry=registry)
+        self.negative_stock_units = Gauge(_P + "negative_stock_units",
+                                          "Sum of the deficits of the pairs below zero, as a positive number.",
+                                          registry=registry)
         self.build_info = Gauge(_P + "build_info", "Versions of stock-ledger and its drivers.",
                                 ["version", "python", "aiokafka", "asyncpg"], registry=registry)
         self.build_info.labels(_version("stock-ledger"), platform.python_version(), _version("aiokafka"),

@@ -5,6 +5,9 @@ committed offsets (OffsetFetch) and the stored offsets; so a stalled worker stil
 (stored offset outside the log) shows as `stock_ledger_partition_gap_messages` whichever worker holds it.
 Each pod exports every partition of the topic; aggregate with max by (topic, partition).
 
+Negative stock (on the position timer): how many (warehouse, sku) levels are below zero and by how much, from the
+partial index stock_levels_negative_idx (migration 0004): it holds the negative levels only.
+
 Invariants (every STOCK_LEDGER_INVARIANT_REFRESH_SECONDS, default 60 s): rows vs distinct coordinates and
 stock_levels vs the sum of movements. Both scan stock_movements once (an index-only scan for the first, a
 sequential scan and hash aggregate for the second): about a second per few million rows. They run in one
@@ -25,6 +28,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from stock_ledger.clients import create_database_pool, kafka_options
 from stock_ledger.gaps import find_gap
 from stock_ledger.lease import Lease, lease_key
+from stock_ledger.stock import NEGATIVE_TOTALS
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -64,6 +68,8 @@ class PositionMonitor:
         self._tasks = [
             asyncio.create_task(self._every(self._s.position_refresh_seconds, self._positions), name="positions"),
             asyncio.create_task(self._every(self._s.invariant_refresh_seconds, self._invariants), name="invariants"),
+            asyncio.create_task(self._every(self._s.position_refresh_seconds, self._negative_stock),
+                                name="negative-stock"),
         ]
 
     async def close(self) -> None:
@@ -95,7 +101,8 @@ class PositionMonitor:
 
     async def _db(self) -> asyncpg.Pool:
         if self._pool is None:
-            self._pool = await create_database_pool(self._s, application_name="stock-ledger-metrics")
+            # Two: the negative-stock read must not queue behind an invariant scan (seconds on a large ledger).
+            self._pool = await create_database_pool(self._s, application_name="stock-ledger-metrics", max_size=2)
         return self._pool
 
     async def _positions(self) -> None:
@@ -151,6 +158,12 @@ class PositionMonitor:
         if not records or records[0].offset >= end or records[0].timestamp < 0:
             return 0.0
         return max(0.0, now - float(records[0].timestamp) / 1000)
+    async def _negative_stock(self) -> None:
+        # Reads the partial index of negative levels and those rows only: cheap at any ledger size, so it can run
+        # on the fast timer (its own task: a Kafka outage that fails _positions must not freeze it).
+        row = await (await self._db()).fetchrow(NEGATIVE_TOTALS)
+        self._m.negative_stock_levels.set(row["levels"])
+        self._m.negative_stock_units.set(row["units"])
 
     async def _invariants(self) -> None:
         pool = await self._db()

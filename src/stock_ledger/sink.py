@@ -186,10 +186,14 @@ _COORDINATE_KEYS: Final = frozenset({"stock_movements_coordinates_key", "rejecte
 # Our own uniqueness backstops: they mean a resend or a regression, handled above, never a bad value.
 _BACKSTOPS: Final = _COORDINATE_KEYS | {_MOVEMENT_ID_KEY}
 
+# went_negative_at: set when a level goes below zero, kept while it stays there, cleared when it recovers
+# (migration 0004; its CHECK refuses a row where the two disagree).
 _ADD_LEVELS: Final = """
-INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand)
-SELECT w, s, d FROM unnest($1::text[], $2::text[], $3::bigint[]) AS t(w, s, d) ORDER BY w, s
-ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + EXCLUDED.on_hand, updated_at = now()
+INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand, went_negative_at)
+SELECT w, s, d, CASE WHEN d < 0 THEN now() END
+  FROM unnest($1::text[], $2::text[], $3::bigint[]) AS t(w, s, d) ORDER BY w, s
+ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + EXCLUDED.on_hand, updated_at = now(),
+    went_negative_at = CASE WHEN l.on_hand + EXCLUDED.on_hand < 0 THEN coalesce(l.went_negative_at, now()) END
 """
 
 

@@ -121,7 +121,8 @@ def test_dashboard_queries_are_valid_promql(all_render: Rendered, tmp_path: Path
 
 
 def test_dashboard_shows_the_required_views() -> None:
-    """Lag and drift per partition, applied/rejected rates, batch and end-to-end latency, fenced batches."""
+    """Lag and drift per partition, applied/rejected rates, batch and end-to-end latency, fenced batches, negative
+    stock (levels and units)."""
     dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
     queries = "\n".join(dashboard_queries(dashboard))
     required = [
@@ -132,6 +133,8 @@ def test_dashboard_shows_the_required_views() -> None:
         r"histogram_quantile\(0\.99, sum by \(le\) \(rate\(stock_ledger_batch_duration_seconds_bucket",
         r"histogram_quantile\(0\.99, sum by \(le\) \(rate\(stock_ledger_end_to_end_latency_seconds_bucket",
         r"stock_ledger_batches_fenced_total",
+        r"stock_ledger_negative_stock_levels",
+        r"stock_ledger_negative_stock_units",
     ]
     missing = [pattern for pattern in required if not re.search(pattern, queries)]
     assert not missing, f"dashboard lacks queries matching {missing}"

@@ -26,6 +26,8 @@ CONTRACT = {
     "stock_ledger_last_commit_timestamp_seconds": ("gauge", set()),
     "stock_ledger_ledger_duplicate_rows": ("gauge", set()),
     "stock_ledger_ledger_stock_level_mismatches": ("gauge", set()),
+    "stock_ledger_negative_stock_levels": ("gauge", set()),
+    "stock_ledger_negative_stock_units": ("gauge", set()),
     "stock_ledger_build_info": ("gauge", {"version", "python", "aiokafka", "asyncpg"}),
     "stock_ledger_movements_applied_total": ("counter", set()),
     "stock_ledger_movements_rejected_total": ("counter", {"reason"}),
