@@ -50,6 +50,8 @@ class Settings:
     stall_seconds: float = 60.0
     position_refresh_seconds: float = 5.0
     invariant_refresh_seconds: float = 60.0
+    # The full pass of the invariants (a scan of stock_movements); the checks in between cost what changed.
+    invariant_full_scan_seconds: float = 21_600.0
     log_level: str = "info"
     log_format: LogFormat = "auto"
     migrations_dir: str | None = None
@@ -141,6 +143,7 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     take("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", floats(1, 3_600))
     take("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "position_refresh_seconds", floats(0.1, 3_600))
     take("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", floats(0.1, 86_400))
+    take("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "invariant_full_scan_seconds", floats(1, 2_592_000))
     take("STOCK_LEDGER_LOG_LEVEL", "log_level", choice("debug", "info", "warning", "error"))
     take("STOCK_LEDGER_LOG_FORMAT", "log_format", choice("auto", "json", "console"))
     take("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", text)

@@ -31,6 +31,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from stock_ledger.errors import ConfigError, StockLedgerError
+from stock_ledger.invariants import COORDINATES_UNIQUE
 from stock_ledger.progress import Progress
 from stock_ledger.ranges import Found, Runs, clip, describe, difference
 from stock_ledger.topics import partitions_of
@@ -55,13 +56,6 @@ WITH u AS (
     SELECT o, lag(o) OVER (ORDER BY o) AS prev, lead(o) OVER (ORDER BY o) AS next FROM u
 )
 SELECT o, prev, next FROM w WHERE prev IS NULL OR next IS NULL OR o - prev <> 1 OR next - o <> 1 ORDER BY o
-"""
-# The coordinates' unique constraint, exactly as migrations/0001_ledger.sql declares it, and usable.
-_UNIQUE: Final = """
-SELECT coalesce(bool_and(i.indisvalid AND i.indisunique AND i.indimmediate), false)
-  FROM pg_constraint AS c JOIN pg_index AS i ON i.indexrelid = c.conindid
- WHERE c.conrelid = 'stock_movements'::regclass AND c.contype IN ('u', 'p')
-   AND pg_get_constraintdef(c.oid) = 'UNIQUE (kafka_topic, kafka_partition, kafka_offset)'
 """
 # Per partition, the lowest offset applied (or quarantined) since a time: BRIN indexes of migration 0005.
 _SINCE: Final = """
@@ -420,7 +414,7 @@ def _report(results: Sequence[PartitionResult], scope: Scope, stored: dict[int, 
 
 async def _counts(conn: asyncpg.Connection, report: Report, topic: str, scope: Scope,
                   starts: dict[int, int]) -> None:
-    unique = bool(await conn.fetchval(_UNIQUE))
+    unique = bool(await conn.fetchval(COORDINATES_UNIQUE))
     report.add("unique (topic, partition, offset)", unique,
                "constraint present and valid" if unique else
                "constraint stock_movements_coordinates_key missing or invalid: re-apply migrations/0001_ledger.sql")

@@ -39,7 +39,8 @@ CONTRACT_GAUGES = frozenset(
         "stock_ledger_assigned_partitions",
         "stock_ledger_ready",
         "stock_ledger_last_commit_timestamp_seconds",
-        "stock_ledger_ledger_duplicate_rows",
+        "stock_ledger_ledger_coordinates_unique",
+        "stock_ledger_ledger_partitions_ahead_of_offset",
         "stock_ledger_ledger_stock_level_mismatches",
         "stock_ledger_build_info",
     }
