@@ -295,8 +295,10 @@ async def log_checks(conn: asyncpg.Connection, settings: Settings, log_starts: d
 async def verify(settings: Settings, expect: int | None = None, show_progress: bool = True,
                  scope: Scope | None = None) -> Report:
     scope = scope or Scope()
+    # fetch_max_wait_ms: the partitions are read one after the other, and the fetch for the next one waits for the
+    # long poll in flight for the previous one (at its end, so the broker holds it this long): 500 ms by default.
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False,
-                                isolation_level="read_committed", auto_offset_reset="none",
+                                isolation_level="read_committed", auto_offset_reset="none", fetch_max_wait_ms=20,
                                 max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=64 * 1024 * 1024)
     await consumer.start()
     try:
