@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from stock_ledger.config import Settings
 
 _FETCH_RECORDS: Final = 50_000
+_STALL_SECONDS: Final = 60.0
 _STORED: Final = "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
 # Both tables' offsets of one partition, from `$3` on, in offset order (a merge of the two unique indexes); only the
 # rows where a run of consecutive offsets starts or ends, or where an offset repeats, leave the server.
@@ -215,7 +216,13 @@ async def _read_partition(consumer: AIOKafkaConsumer, tp: TopicPartition, start:
         return runs
     consumer.assign([tp])
     consumer.seek(tp, start)
-    while await consumer.position(tp) < end:
+    last, moved = start, time.monotonic()
+    while (position := await consumer.position(tp)) < end:
+        if position != last:
+            last, moved = position, time.monotonic()
+        elif time.monotonic() - moved > _STALL_SECONDS:
+            raise StockLedgerError(f"reading {tp.topic}/{tp.partition} made no progress for {_STALL_SECONDS:g}s at "
+                                   f"offset {position} (log end {end}): check the broker, then run verify again")
         fetched = await consumer.getmany(tp, timeout_ms=1000, max_records=_FETCH_RECORDS)
         records = fetched.get(tp, [])
         before = runs.count
