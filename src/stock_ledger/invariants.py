@@ -43,7 +43,9 @@ SELECT coalesce(bool_and(i.indisvalid AND i.indisunique AND i.indimmediate), fal
  WHERE c.conrelid = 'stock_movements'::regclass AND c.contype IN ('u', 'p')
    AND pg_get_constraintdef(c.oid) = 'UNIQUE (kafka_topic, kafka_partition, kafka_offset)'
 """
-_OFFSETS: Final = "SELECT group_id, topic, partition, next_offset FROM consumer_offsets"
+# Per (topic, partition), whatever the group: a second group on the same topic and database could only re-apply
+# rows (refused by the unique constraint), so the furthest stored offset is the watermark.
+_OFFSETS: Final = "SELECT topic, partition, max(next_offset) FROM consumer_offsets GROUP BY 1, 2"
 _AHEAD: Final = """
 SELECT count(*) FROM consumer_offsets AS c
  WHERE EXISTS (SELECT FROM stock_movements AS m WHERE m.kafka_topic = c.topic AND m.kafka_partition = c.partition
@@ -68,7 +70,7 @@ FULL JOIN stock_levels AS l USING (warehouse_id, sku)
 WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)
 """
 
-Key = tuple[str, str, int]  # (group_id, topic, partition)
+Key = tuple[str, int]  # (topic, partition)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class Invariants:
         async with conn.transaction(isolation="repeatable_read", readonly=True):
             unique = bool(await conn.fetchval(COORDINATES_UNIQUE))
             ahead = int(await conn.fetchval(_AHEAD))
-            offsets: dict[Key, int] = {(r[0], r[1], r[2]): r[3] or 0 for r in await conn.fetch(_OFFSETS)}
+            offsets: dict[Key, int] = {(r[0], r[1]): r[2] or 0 for r in await conn.fetch(_OFFSETS)}
             total = int(await conn.fetchval(_LEVELS_TOTAL))
             if full:
                 self._mismatches = int(await conn.fetchval(_MISMATCHES))
@@ -126,6 +128,6 @@ class Invariants:
         ranges = [(k, self._watermarks.get(k, 0), hi) for k, hi in offsets.items() if hi > self._watermarks.get(k, 0)]
         if not ranges:
             return 0, 0
-        added, rows = await conn.fetchrow(_DELTA, [k[1] for k, _, _ in ranges], [k[2] for k, _, _ in ranges],
+        added, rows = await conn.fetchrow(_DELTA, [k[0] for k, _, _ in ranges], [k[1] for k, _, _ in ranges],
                                           [lo for _, lo, _ in ranges], [hi for _, _, hi in ranges])
         return int(added), int(rows)
