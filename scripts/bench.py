@@ -924,6 +924,11 @@ async def main(opts: Options) -> int:
 
 
 def run() -> int:
+    # The ledger at scale (verify at N movements, the invariant checks, a soak) lives in bench_scale.py.
+    if any(a.split("=", 1)[0] in {"--soak", "--verify-sizes"} for a in sys.argv[1:]):
+        import bench_scale  # noqa: PLC0415 - beside this script, on sys.path
+
+        return bench_scale.run(sys.argv[1:])
     opts = parse_args()
     try:
         import uvloop  # noqa: PLC0415 - the worker runs on uvloop, so the limits are measured on it too

@@ -197,6 +197,8 @@ class Settings:
     stall_seconds: float = 60.0
     position_refresh_seconds: float = 5.0
     invariant_refresh_seconds: float = 60.0
+    # The full pass of the invariants (a scan of stock_movements); the checks in between cost what changed.
+    invariant_full_scan_seconds: float = 21_600.0
     log_level: str = "info"
     log_format: LogFormat = "auto"
     migrations_dir: str | None = None
@@ -331,6 +333,7 @@ _VARIABLES: Final[tuple[tuple[str, str, Callable[[str, str], object]], ...]] = (
     ("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", _floats(1, 3_600)),
     ("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "position_refresh_seconds", _floats(0.1, 3_600)),
     ("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", _floats(0.1, 86_400)),
+    ("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "invariant_full_scan_seconds", _floats(1, 2_592_000)),
     ("STOCK_LEDGER_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error")),
     ("STOCK_LEDGER_LOG_FORMAT", "log_format", _choice("auto", "json", "console")),
     ("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", _text),

@@ -142,9 +142,18 @@ class Metrics:
             _P + "end_to_end_latency_seconds", "Kafka record timestamp to PostgreSQL commit.",
             (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry,
         )
-        # Ledger invariants, on a slow timer (positions.py).
-        self.duplicate_rows = Gauge(_P + "ledger_duplicate_rows", "Rows of stock_movements minus distinct coordinates.",
-                                    registry=registry)
+        # Ledger invariants, on a slow timer (positions.py, invariants.py).
+        self.coordinates_unique = Gauge(
+            _P + "ledger_coordinates_unique",
+            "1 while the unique constraint on (kafka_topic, kafka_partition, kafka_offset) is present and valid.",
+            registry=registry)
+        self.partitions_ahead = Gauge(_P + "ledger_partitions_ahead_of_offset",
+                                      "Partitions holding a row at or beyond their stored next offset.",
+                                      registry=registry)
+        self.invariant_check = Histogram(
+            _P + "invariant_check_duration_seconds", "Duration of an invariant check, by scope.", ["scope"],
+            registry=registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
         self.level_mismatches = Gauge(_P + "ledger_stock_level_mismatches",
                                       "stock_levels rows that differ from the sum of their movements.",
                                       registry=registry)
@@ -164,6 +173,9 @@ class Metrics:
             self.rejected.labels(code.value)
         for cause in _RETRY_CAUSES:
             self.retries.labels(cause)
+        self.coordinates_unique.set(1)  # until a check says otherwise: absent is not broken
+        for scope in ("baseline", "incremental", "full"):
+            self.invariant_check.labels(scope)
 
     def batch_committed(self, applied: int, rejected: Mapping[str, int], records: int, seconds: float,
                         timestamps_ms: Sequence[int]) -> None:

@@ -8,10 +8,9 @@ Each pod exports every partition of the topic; aggregate with max by (topic, par
 Negative stock (on the position timer): how many (warehouse, sku) levels are below zero and by how much, from the
 partial index stock_levels_negative_idx (migration 0004): it holds the negative levels only.
 
-Invariants (every STOCK_LEDGER_INVARIANT_REFRESH_SECONDS, default 60 s): rows vs distinct coordinates and
-stock_levels vs the sum of movements. Both scan stock_movements once (an index-only scan for the first, a
-sequential scan and hash aggregate for the second): about a second per few million rows. They run in one
-read-only REPEATABLE READ snapshot so the two tables are compared at one instant.
+Invariants (every STOCK_LEDGER_INVARIANT_REFRESH_SECONDS, default 60 s): see invariants.py. Each check costs what
+was applied since the previous one; a full scan of stock_movements runs every
+STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS (default 6 h).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from stock_ledger.clients import create_database_pool, kafka_options
 from stock_ledger.gaps import find_gap
+from stock_ledger.invariants import Invariants
 from stock_ledger.lease import Lease, lease_key
 from stock_ledger.stock import NEGATIVE_TOTALS
 from stock_ledger.topics import partitions_of
@@ -42,15 +42,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _STORED: Final = "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
-_DUPLICATES: Final = """
-SELECT count(*) - count(DISTINCT (kafka_topic, kafka_partition, kafka_offset)) FROM stock_movements
-"""
-_MISMATCHES: Final = """
-SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS total FROM stock_movements GROUP BY 1, 2) AS m
-FULL JOIN stock_levels AS l USING (warehouse_id, sku)
-WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)
-"""
-
 
 class PositionMonitor:
     def __init__(self, settings: Settings, metrics: Metrics,
@@ -63,11 +54,14 @@ class PositionMonitor:
         self._kafka: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._partitions: list[int] = []
+        self._checks = Invariants(settings.invariant_full_scan_seconds)
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._every(self._s.position_refresh_seconds, self._positions), name="positions"),
-            asyncio.create_task(self._every(self._s.invariant_refresh_seconds, self._invariants), name="invariants"),
+            # A full pass of a large ledger takes minutes: it gets them (a check is never run twice at once).
+            asyncio.create_task(self._every(self._s.invariant_refresh_seconds, self._invariants, limit_seconds=3_600),
+                                name="invariants"),
             asyncio.create_task(self._every(self._s.position_refresh_seconds, self._negative_stock),
                                 name="negative-stock"),
         ]
@@ -84,13 +78,14 @@ class PositionMonitor:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(closer(), 5)
 
-    async def _every(self, seconds: float, refresh: Callable[[], Awaitable[None]]) -> None:
+    async def _every(self, seconds: float, refresh: Callable[[], Awaitable[None]],
+                     limit_seconds: float | None = None) -> None:
         while True:
             try:
                 leads = await asyncio.wait_for(self._lease.check(), timeout=10)
                 self._m.monitor_leader.set(1 if leads else 0)
                 if leads:
-                    await asyncio.wait_for(refresh(), timeout=max(10.0, seconds * 2))
+                    await asyncio.wait_for(refresh(), timeout=limit_seconds or max(10.0, seconds * 2))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -167,6 +162,12 @@ class PositionMonitor:
 
     async def _invariants(self) -> None:
         pool = await self._db()
-        async with pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-            self._m.duplicate_rows.set(await conn.fetchval(_DUPLICATES))
-            self._m.level_mismatches.set(await conn.fetchval(_MISMATCHES))
+        async with pool.acquire() as conn:
+            checked = await self._checks.check(conn)
+        self._m.coordinates_unique.set(1 if checked.coordinates_unique else 0)
+        self._m.partitions_ahead.set(checked.partitions_ahead)
+        self._m.level_mismatches.set(checked.level_mismatches)
+        self._m.invariant_check.labels(checked.scope).observe(checked.seconds)
+        log.info("invariants.checked", scope=checked.scope, seconds=round(checked.seconds, 3),
+                 rows=checked.rows_checked, unique=checked.coordinates_unique, ahead=checked.partitions_ahead,
+                 mismatches=checked.level_mismatches)

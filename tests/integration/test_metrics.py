@@ -62,7 +62,10 @@ async def test_metrics_show_lag_drift_work_and_invariants_of_a_real_run(
     assert w.metric("stock_ledger_end_to_end_latency_seconds_count") == 5_003
     assert (w.metric("stock_ledger_last_commit_timestamp_seconds") or 0) > 0
     assert w.metric("stock_ledger_build_info") == 1
-    await eventually(lambda: w.metric("stock_ledger_ledger_duplicate_rows") == 0
+    await eventually(lambda: (w.metric("stock_ledger_invariant_check_duration_seconds_count",
+                                       {"scope": "incremental"}) or 0) >= 1
+                     and w.metric("stock_ledger_ledger_coordinates_unique") == 1
+                     and w.metric("stock_ledger_ledger_partitions_ahead_of_offset") == 0
                      and w.metric("stock_ledger_ledger_stock_level_mismatches") == 0, 30, "invariants", workers)
 
     promtool = shutil.which("promtool")

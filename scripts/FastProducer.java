@@ -1,0 +1,56 @@
+// A load generator for scripts/bench_scale.py, run as a single-file source with the project's Kafka jars:
+//   java -cp '<kafka libs>/*' scripts/FastProducer.java BOOTSTRAP TOPIC COUNT PARTITIONS [RATE]
+// Without RATE: COUNT tiny records round robin over PARTITIONS, as fast as possible (verify reads offsets only).
+// With RATE: COUNT valid movements (keyed by SKU) at a steady RATE per second, paced every millisecond; a Python
+// producer on a busy machine falls behind and stamps records long before it sends them, which is not the ledger's
+// latency.
+import java.nio.charset.StandardCharsets;
+import java.util.Properties;
+import java.util.Random;
+import java.util.UUID;
+import org.apache.kafka.clients.producer.KafkaProducer;
+import org.apache.kafka.clients.producer.ProducerRecord;
+import org.apache.kafka.common.serialization.ByteArraySerializer;
+
+public class FastProducer {
+    public static void main(String[] a) throws Exception {
+        boolean paced = a.length > 4;
+        Properties p = new Properties();
+        p.put("bootstrap.servers", a[0]);
+        p.put("acks", paced ? "all" : "1");
+        p.put("linger.ms", paced ? "5" : "20");
+        p.put("batch.size", String.valueOf(paced ? 512 << 10 : 1 << 20));
+        p.put("buffer.memory", String.valueOf(64 << 20));
+        p.put("enable.idempotence", paced ? "true" : "false");
+        p.put("key.serializer", ByteArraySerializer.class.getName());
+        p.put("value.serializer", ByteArraySerializer.class.getName());
+        String topic = a[1];
+        long n = Long.parseLong(a[2]);
+        int parts = Integer.parseInt(a[3]);
+        try (KafkaProducer<byte[], byte[]> prod = new KafkaProducer<>(p)) {
+            if (!paced) {
+                byte[] v = new byte[8];
+                for (long i = 0; i < n; i++) prod.send(new ProducerRecord<>(topic, (int) (i % parts), null, v));
+            } else {
+                double rate = Double.parseDouble(a[4]);
+                Random rng = new Random(1);
+                long start = System.nanoTime();
+                for (long i = 0; i < n; i++) {
+                    long due = start + (long) (i * 1e9 / rate);
+                    long wait = due - System.nanoTime();
+                    if (wait > 1_000_000) Thread.sleep(wait / 1_000_000);
+                    String sku = String.format("SKU-%06d", rng.nextInt(1000));
+                    boolean in = rng.nextInt(10) < 6;
+                    int qty = (in ? 1 : -1) * (1 + rng.nextInt(100));
+                    String value = String.format(
+                        "{\"movement_id\":\"%s\",\"warehouse_id\":\"WH-%03d\",\"sku\":\"%s\",\"qty\":%d,"
+                        + "\"kind\":\"%s\",\"occurred_at\":\"2026-11-30T10:00:00+00:00\"}",
+                        UUID.randomUUID(), rng.nextInt(4), sku, qty, in ? "receipt" : "pick");
+                    prod.send(new ProducerRecord<>(topic, sku.getBytes(StandardCharsets.UTF_8),
+                                                   value.getBytes(StandardCharsets.UTF_8)));
+                }
+            }
+            prod.flush();
+        }
+    }
+}

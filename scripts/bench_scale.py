@@ -1,0 +1,607 @@
+"""The ledger at scale, called by scripts/bench.py: `--verify-sizes N,...` and `--soak MINUTES --rate R`.
+
+verify-sizes  per N: a fresh topic of N records (scripts/FastProducer.java: tiny values, many per batch; verify
+              reads only offsets) and a fresh database preloaded server-side with N movements at the same
+              coordinates (generate_series into an UNLOGGED table, so no WAL; the unique indexes built after the
+              load, then VACUUM ANALYZE), stock
+              levels equal to their sum and every stored offset at the log end. Then `stock-ledger verify` runs as
+              a subprocess: wall time and peak RSS (the kernel's ru_maxrss, from wait4). Then the invariant checks
+              (invariants.py): a full pass, then three "minutes" of traffic (R x 60 movements each, appended like
+              batches) each followed by an incremental check, timed.
+soak          one worker (debug logs: one `batch.committed` line per batch) on a fresh topic and database while
+              `stock-ledger produce --rate R` runs for MINUTES; every minute: end-to-end latency quantiles from the
+              worker's histogram (the delta over the minute, interpolated in the bucket like histogram_quantile,
+              plus the exact share under 50 ms, a bucket bound), worker RSS, database size, invariant check
+              durations. At the end: exact per-minute p50/p95/p99 per row (the batch's commit time from its log
+              line minus the record's Kafka timestamp), then `stock-ledger verify`'s time and peak RSS.
+
+Both drop what they create. Preloads run with parallel workers off (one core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from array import array
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import asyncpg
+import psutil
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from prometheus_client.parser import text_string_to_metric_families
+
+from stock_ledger.invariants import Invariants
+from stock_ledger.migrate import find_migrations_dir, migrate
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+PARTITIONS: Final = 24
+MIB: Final = 1024 * 1024
+KAFKA_LIBS: Final = Path(os.environ.get("KAFKA_LIBS", Path.home() / ".cache/stock-ledger/kafka-4.1.1/libs"))
+E2E: Final = "stock_ledger_end_to_end_latency_seconds"
+CHECKS: Final = "stock_ledger_invariant_check_duration_seconds"
+BATCH: Final = "stock_ledger_batch_duration_seconds"
+
+
+def say(message: str) -> None:
+    print(f"[bench-scale {datetime.now(UTC):%H:%M:%S}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Place:
+    """One database and one topic, created for a measurement and dropped after it."""
+
+    kafka: str
+    admin_url: str
+    worker_url_for: Callable[[str], str]
+    owner_url_for: Callable[[str], str]
+    label: str
+    database: str = ""
+    topic: str = ""
+    group: str = ""
+
+    async def create(self) -> None:
+        run = uuid.uuid4().hex[:8]
+        self.database, self.topic = f"sl_scale_{run}_{self.label}", f"warehouse.movements.scale-{run}-{self.label}"
+        self.group = f"scale-{run}"
+        admin = await asyncpg.connect(self.admin_url)
+        try:
+            await admin.execute(f'CREATE DATABASE "{self.database}"')
+        finally:
+            await admin.close()
+        await migrate(self.owner_url, find_migrations_dir(None))
+        kafka = AIOKafkaAdminClient(bootstrap_servers=self.kafka)
+        await kafka.start()
+        try:
+            await kafka.create_topics([NewTopic(self.topic, PARTITIONS, 1)])
+        finally:
+            await kafka.close()
+        await asyncio.sleep(1)
+
+    async def drop(self) -> None:
+        if self.database:
+            admin = await asyncpg.connect(self.admin_url)
+            try:
+                await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+            finally:
+                await admin.close()
+        if self.topic:
+            kafka = AIOKafkaAdminClient(bootstrap_servers=self.kafka)
+            await kafka.start()
+            try:
+                await kafka.delete_topics([self.topic])
+            except Exception as exc:  # cleanup: say it, go on
+                say(f"could not delete {self.topic}: {exc}")
+            finally:
+                await kafka.close()
+
+    @property
+    def owner_url(self) -> str:
+        return self.owner_url_for(self.database)
+
+    @property
+    def worker_url(self) -> str:
+        return self.worker_url_for(self.database)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
+        env |= {"KAFKA_BOOTSTRAP_SERVERS": self.kafka, "DATABASE_URL": self.owner_url, "STOCK_LEDGER_TOPIC": self.topic,
+                "STOCK_LEDGER_GROUP_ID": self.group, "STOCK_LEDGER_LOG_FORMAT": "json"}
+        return env | extra
+
+    async def end_offsets(self) -> dict[int, int]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.kafka, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
+            return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
+        finally:
+            await consumer.stop()
+
+
+# ------------------------------------------------------------------------------------------------ verify at scale
+
+
+def fast_produce(kafka: str, topic: str, count: int) -> float:
+    """N tiny records, round robin over the partitions, with the Java client (many records per request; the
+    project's Kafka jars). Without Java or the jars: stock_ledger.produce (real movements, slower)."""
+    started = time.perf_counter()
+    if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
+        from stock_ledger.produce import produce  # noqa: PLC0415
+
+        asyncio.run(produce(kafka, topic, count, show_progress=False))
+        return time.perf_counter() - started
+    subprocess.run(["nice", "java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"),
+                    kafka, topic, str(count), str(PARTITIONS)], check=True, capture_output=True, timeout=3600)
+    return time.perf_counter() - started
+
+
+_ONE_CORE: Final = ("SET max_parallel_workers_per_gather = 0", "SET max_parallel_maintenance_workers = 0",
+                    "SET maintenance_work_mem = '256MB'", "SET synchronous_commit = off")
+
+
+async def preload(place: Place, ends: dict[int, int]) -> None:
+    """stock_movements at exactly the topic's coordinates, stock_levels = their sums, offsets at the log end."""
+    conn = await asyncpg.connect(place.owner_url)
+    parts, counts = list(ends), [ends[p] for p in ends]
+    try:
+        for statement in _ONE_CORE:
+            await conn.execute(statement)
+        # UNLOGGED: the preload writes no WAL (gigabytes at 20M, forcing checkpoints on everyone sharing the
+        # server); verify and the invariant checks read it exactly as they read a logged table.
+        await conn.execute("ALTER TABLE stock_movements SET UNLOGGED")
+        await conn.execute("""ALTER TABLE stock_movements DROP CONSTRAINT stock_movements_coordinates_key,
+                                                          DROP CONSTRAINT stock_movements_movement_id_key""")
+        await conn.execute("DROP INDEX stock_movements_applied_at_brin")
+        for i, (p, n) in enumerate(zip(parts, counts, strict=True)):
+            # applied_at follows the offsets, about the 5,000/s of a live ledger, ending now.
+            await conn.execute("""
+                INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic,
+                                             kafka_partition, kafka_offset, kafka_timestamp, applied_at)
+                SELECT gen_random_uuid(), 'WH-' || lpad((o % 4)::text, 3, '0'),
+                       'SKU-' || lpad(((o * 7919 + $2) % 1000)::text, 6, '0'),
+                       CASE WHEN o % 3 = 0 THEN -(o % 100 + 1) ELSE o % 100 + 1 END,
+                       CASE WHEN o % 3 = 0 THEN 'pick' ELSE 'receipt' END,
+                       t, $1, $2, o, t, t
+                  FROM generate_series(0::bigint, $3::bigint - 1) AS o,
+                       LATERAL (SELECT now() - ($3 - o) * $4::int * interval '200 microseconds') AS a(t)
+            """, place.topic, p, n, PARTITIONS)
+            say(f"preload: partition {p} ({i + 1}/{len(parts)}), {n:,} rows")
+        say("preload: unique indexes, BRIN, stock_levels, offsets, VACUUM ANALYZE")
+        await conn.execute("""ALTER TABLE stock_movements
+            ADD CONSTRAINT stock_movements_coordinates_key UNIQUE (kafka_topic, kafka_partition, kafka_offset),
+            ADD CONSTRAINT stock_movements_movement_id_key UNIQUE (movement_id)""")
+        await conn.execute("CREATE INDEX stock_movements_applied_at_brin ON stock_movements USING brin (applied_at)")
+        await conn.execute("""INSERT INTO stock_levels (warehouse_id, sku, on_hand)
+                              SELECT warehouse_id, sku, sum(qty) FROM stock_movements GROUP BY 1, 2""")
+        await conn.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
+                              SELECT $1, $2, p, n FROM unnest($3::int[], $4::bigint[]) AS e(p, n)""",
+                           place.group, place.topic, parts, counts)
+        await conn.execute("VACUUM (ANALYZE) stock_movements")
+    finally:
+        await conn.close()
+
+
+def run_measured(argv: Sequence[str], env: dict[str, str], out: Path) -> dict[str, Any]:
+    """Run a command; its wall time, exit code, peak RSS (ru_maxrss of the child, from wait4) and last stdout line."""
+    started = time.perf_counter()
+    with out.open("wb") as stdout, out.with_suffix(".err").open("wb") as stderr:
+        child = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    lines = out.read_text(errors="replace").splitlines()
+    return {"seconds": time.perf_counter() - started, "exit_code": child.returncode,
+            "peak_rss_mib": usage.ru_maxrss / 1024, "last_line": lines[-1] if lines else "",
+            "cpu_seconds": usage.ru_utime + usage.ru_stime}
+
+
+async def verify_measured(place: Place, logs: Path) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "stock_ledger", "verify"]
+    result = await asyncio.to_thread(run_measured, argv, place.env(), logs / f"verify-{place.label}.out")
+    say(f"verify: {result['seconds']:.1f}s, peak RSS {result['peak_rss_mib']:.0f} MiB, exit {result['exit_code']}, "
+        f"last line {result['last_line']}")
+    return result
+
+
+async def append_minute(conn: asyncpg.Connection, place: Place, per_partition: int) -> None:
+    """A minute of traffic as batches write it: rows after each partition's stored offset, the offsets moved and
+    the stock levels changed by the rows' sums, in one transaction per round of 1,000 rows a partition."""
+    for _ in range(max(1, per_partition // 1000)):
+        async with conn.transaction():
+            await conn.execute("""
+                WITH o AS (SELECT partition AS p, next_offset AS lo FROM consumer_offsets WHERE group_id = $1),
+                ins AS (
+                  INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic,
+                                               kafka_partition, kafka_offset, kafka_timestamp)
+                  SELECT gen_random_uuid(), 'WH-' || lpad((x % 4)::text, 3, '0'),
+                         'SKU-' || lpad(((x * 7919 + o.p) % 1000)::text, 6, '0'), x % 100 + 1, 'receipt',
+                         now(), $2, o.p, x, now()
+                    FROM o, generate_series(o.lo, o.lo + 999) AS x
+                  RETURNING warehouse_id, sku, qty)
+                INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand)
+                SELECT warehouse_id, sku, sum(qty) FROM ins GROUP BY 1, 2
+                ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + excluded.on_hand
+            """, place.group, place.topic)
+            await conn.execute("UPDATE consumer_offsets SET next_offset = next_offset + 1000 WHERE group_id = $1",
+                               place.group)
+
+
+async def invariant_costs(place: Place, rate: int) -> dict[str, Any]:
+    conn = await asyncpg.connect(place.owner_url)
+    try:
+        for statement in _ONE_CORE[:1]:
+            await conn.execute(statement)
+        checks = Invariants(full_scan_seconds=21_600)
+        full = await checks.check(conn, full=True)
+        say(f"invariants: full pass {full.seconds:.2f}s (mismatches {full.level_mismatches})")
+        incremental = []
+        for minute in range(3):
+            await append_minute(conn, place, rate * 60 // PARTITIONS)
+            checked = await checks.check(conn, full=False)
+            incremental.append(checked.seconds)
+            say(f"invariants: minute {minute + 1}: incremental check {1000 * checked.seconds:.0f} ms over "
+                f"{checked.rows_checked:,} new rows (mismatches {checked.level_mismatches}, "
+                f"ahead {checked.partitions_ahead}, unique {checked.coordinates_unique})")
+            if checked.level_mismatches or checked.partitions_ahead or not checked.coordinates_unique:
+                raise RuntimeError(f"invariants failed on a consistent ledger: {checked}")
+    finally:
+        await conn.close()
+    incremental.sort()
+    return {"full_seconds": full.seconds, "incremental_seconds": incremental,
+            "incremental_median_seconds": incremental[1]}
+
+
+async def verify_sizes(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],
+                       sizes: Sequence[int], rate: int) -> list[dict[str, Any]]:
+    logs = Path(tempfile.mkdtemp(prefix="stock-ledger-scale-"))
+    results = []
+    try:
+        for n in sizes:
+            place = Place(kafka, admin_url, urls[1], urls[0], f"n{n}")
+            try:
+                await place.create()
+                say(f"N={n:,}: producing the topic ({place.topic})")
+                produce_seconds = await asyncio.to_thread(fast_produce, kafka, place.topic, n)
+                ends = await place.end_offsets()
+                if sum(ends.values()) != n:
+                    raise RuntimeError(f"the topic holds {sum(ends.values())} records, expected {n}")
+                say(f"N={n:,}: produced in {produce_seconds:.0f}s; preloading the ledger")
+                started = time.perf_counter()
+                await preload(place, ends)
+                preload_seconds = time.perf_counter() - started
+                result = await verify_measured(place, logs)
+                if result["exit_code"] != 0 or result["last_line"] != f"{n}|{n}":
+                    raise RuntimeError(f"verify failed on a consistent ledger: {result}; see {logs}")
+                costs = await invariant_costs(place, rate)
+                results.append({"movements": n, "produce_seconds": produce_seconds,
+                                "preload_seconds": preload_seconds, "verify": result, "invariants": costs})
+            finally:
+                await place.drop()
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ soak
+
+
+def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """name -> labels -> value, from the worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = float(s.value)
+    return found
+
+
+def buckets(sample: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str,
+            where: dict[str, str] | None = None) -> list[tuple[float, float]]:
+    """Cumulative (le, count) pairs of a histogram, sorted by le."""
+    out = []
+    for labels, value in sample.get(f"{name}_bucket", {}).items():
+        d = dict(labels)
+        if all(d.get(k) == v for k, v in (where or {}).items()):
+            out.append((float(d["le"]), value))
+    return sorted(out)
+
+
+def quantile(cumulative: Sequence[tuple[float, float]], q: float) -> float:
+    """histogram_quantile: linear interpolation inside the bucket that holds quantile q."""
+    if not cumulative or cumulative[-1][1] <= 0:
+        return float("nan")
+    rank, prev_le, prev_n = q * cumulative[-1][1], 0.0, 0.0
+    for le, n in cumulative:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 1.0)
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+def delta(now: Sequence[tuple[float, float]], before: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    old = dict(before)
+    return [(le, n - old.get(le, 0.0)) for le, n in now]
+
+
+def share_under(cumulative: Sequence[tuple[float, float]], bound: float) -> float:
+    total = cumulative[-1][1] if cumulative else 0.0
+    return next((n / total for le, n in cumulative if le == bound), float("nan")) if total else float("nan")
+
+
+def exact_percentiles(values: array[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {"rows": 0}
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"rows": len(ordered), "p50_ms": at(0.5), "p95_ms": at(0.95), "p99_ms": at(0.99), "max_ms": ordered[-1],
+            "under_50ms": sum(1 for v in ordered if v <= 50) / len(ordered)}
+
+
+async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],  # noqa: PLR0913, PLR0917 - the CLI's flags
+               minutes: float, rate: int, worker_env: dict[str, str]) -> dict[str, Any]:
+    from bench import _commit_times, free_port  # noqa: PLC0415 - the sibling script, on sys.path beside this one
+
+    place = Place(kafka, admin_url, urls[1], urls[0], "soak")
+    logs = Path(tempfile.mkdtemp(prefix="stock-ledger-soak-"))
+    worker: subprocess.Popen[bytes] | None = None
+    producer: subprocess.Popen[bytes] | None = None
+    per_minute: list[dict[str, Any]] = []
+    try:
+        await place.create()
+        port = free_port()
+        env = place.env(DATABASE_URL=place.worker_url, STOCK_LEDGER_METRICS_PORT=str(port),
+                        STOCK_LEDGER_LOG_LEVEL="debug", **worker_env)
+        worker = spawn([sys.executable, "-m", "stock_ledger", "run"], env, logs / "worker.log")
+        await wait_claimed(place, worker)
+        await asyncio.sleep(1)
+        count = int(rate * 60 * minutes)
+        say(f"soak: {count:,} movements at {rate:,}/s for {minutes:g} min; worker pid {worker.pid}, logs {logs}")
+        producer = spawn(producer_argv(kafka, place.topic, count, rate), place.env(), logs / "producer.log")
+        ps = psutil.Process(worker.pid)
+        before = scrape(port)
+        started = time.monotonic()
+        minute = 0
+        while producer.poll() is None or minute < int(minutes):
+            minute += 1
+            await asyncio.sleep(max(0.0, started + 60 * minute - time.monotonic()))
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker exited with {worker.returncode}; see {logs / 'worker.log'}")
+            now = scrape(port)
+            per_minute.append(await minute_row(minute, place, ps, before, now))
+            before = now
+            if producer.poll() is not None and minute >= minutes:
+                break
+        if producer.wait(600) != 0:
+            raise RuntimeError(f"the producer failed; see {logs / 'producer.log'}")
+        await wait_drained(place)
+        rss_end = ps.memory_info().rss / MIB
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)
+        exact = await exact_latency(place, _commit_times([logs / "worker.log"]))
+        for row in per_minute:
+            row["exact"] = exact.get(row["minute"], {"rows": 0})
+        verified = await verify_measured(place, logs)
+        return {"minutes": minutes, "rate": rate, "movements": count, "per_minute": per_minute,
+                "worker_rss_end_mib": rss_end, "verify": verified, "worker_env": worker_env}
+    finally:
+        for proc in (producer, worker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        await place.drop()
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def producer_argv(kafka: str, topic: str, count: int, rate: int) -> list[str]:
+    """The soak's steady load: the Java client when available (it keeps the pace on a busy machine and stamps each
+    record when it sends it), else `stock-ledger produce --rate`."""
+    if shutil.which("java") is not None and (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
+        return ["java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"), kafka, topic,
+                str(count), str(PARTITIONS), str(rate)]
+    return [sys.executable, "-m", "stock_ledger", "produce", "--count", str(count), "--rate", str(rate)]
+
+
+def spawn(argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+async def wait_claimed(place: Place, worker: subprocess.Popen[bytes]) -> None:
+    conn = await asyncpg.connect(place.owner_url)
+    try:
+        deadline = time.monotonic() + 120
+        claimed = "SELECT count(*) FROM consumer_offsets WHERE group_id = $1"
+        while await conn.fetchval(claimed, place.group) < PARTITIONS:
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the worker did not claim the partitions")
+            await asyncio.sleep(0.2)
+    finally:
+        await conn.close()
+
+
+async def wait_drained(place: Place) -> None:
+    ends = await place.end_offsets()
+    conn = await asyncpg.connect(place.owner_url)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            stored = {r[0]: r[1] or 0 for r in await conn.fetch(
+                "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1", place.group)}
+            if all(stored.get(p, 0) >= e for p, e in ends.items()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the worker did not drain the topic within 300 s")
+            await asyncio.sleep(0.5)
+    finally:
+        await conn.close()
+
+
+async def minute_row(minute: int, place: Place, ps: psutil.Process, before: dict[str, Any],
+                     now: dict[str, Any]) -> dict[str, Any]:
+    e2e = delta(buckets(now, E2E), buckets(before, E2E))
+    txn = delta(buckets(now, BATCH), buckets(before, BATCH))
+    conn = await asyncpg.connect(place.owner_url)
+    try:
+        db_bytes = int(await conn.fetchval("SELECT pg_database_size(current_database())"))
+        rows = int(await conn.fetchval("SELECT sum(next_offset) FROM consumer_offsets WHERE group_id = $1",
+                                       place.group) or 0)
+        checkpoints = int(await conn.fetchval("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"))
+    finally:
+        await conn.close()
+    checks = {}
+    for scope in ("baseline", "incremental", "full"):
+        n = now.get(f"{CHECKS}_count", {}).get((("scope", scope),), 0.0) - before.get(
+            f"{CHECKS}_count", {}).get((("scope", scope),), 0.0)
+        s = now.get(f"{CHECKS}_sum", {}).get((("scope", scope),), 0.0) - before.get(
+            f"{CHECKS}_sum", {}).get((("scope", scope),), 0.0)
+        if n:
+            checks[scope] = {"count": n, "seconds": s}
+    row = {"minute": minute, "records": e2e[-1][1] if e2e else 0, "p50_ms": 1000 * quantile(e2e, 0.5),
+           "p95_ms": 1000 * quantile(e2e, 0.95), "p99_ms": 1000 * quantile(e2e, 0.99),
+           "under_50ms": share_under(e2e, 0.05), "worker_rss_mib": ps.memory_info().rss / MIB,
+           "database_mib": db_bytes / MIB, "ledger_rows": rows, "invariant_checks": checks,
+           # The batch transaction (COPY + levels + offsets + COMMIT): a record waits for about one cycle before
+           # it is fetched and one cycle to be committed, so the latency tail follows this one.
+           "batch_txn_p50_ms": 1000 * quantile(txn, 0.5), "batch_txn_p99_ms": 1000 * quantile(txn, 0.99),
+           "batches": txn[-1][1] if txn else 0, "checkpoints_total": checkpoints}
+    check_text = ", ".join(f"{k} {1000 * v['seconds']:.0f} ms" for k, v in checks.items()) or "none"
+    say(f"minute {minute}: {row['records']:,.0f} records, histogram p50 {row['p50_ms']:.0f} ms, p95 "
+        f"{row['p95_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, <=50 ms {100 * row['under_50ms']:.1f}%; "
+        f"{row['batches']:,.0f} batches, transaction p50 {row['batch_txn_p50_ms']:.0f} ms, p99 "
+        f"{row['batch_txn_p99_ms']:.0f} ms; checkpoints so far {checkpoints}; RSS "
+        f"{row['worker_rss_mib']:.1f} MiB; database {row['database_mib']:.0f} MiB; checks: {check_text}")
+    return row
+
+
+async def exact_latency(place: Place, commits: dict[int, tuple[list[int], list[float]]]) -> dict[int, Any]:
+    """Per minute of the soak (by the record's Kafka timestamp): exact quantiles over every row."""
+    import bisect  # noqa: PLC0415
+
+    conn = await asyncpg.connect(place.owner_url)
+    by_minute: dict[int, array[float]] = {}
+    try:
+        first = await conn.fetchval("SELECT extract(epoch FROM min(kafka_timestamp))::float8 FROM stock_movements")
+        async with conn.transaction():
+            async for r in conn.cursor("""SELECT kafka_partition, kafka_offset,
+                                                 extract(epoch FROM kafka_timestamp)::float8 FROM stock_movements""",
+                                       prefetch=20_000):
+                lasts, ats = commits.get(r[0], ([], []))
+                i = bisect.bisect_left(lasts, r[1])
+                if i < len(lasts):
+                    by_minute.setdefault(int((r[2] - first) // 60) + 1, array("d")).append(1000 * (ats[i] - r[2]))
+    finally:
+        await conn.close()
+    return {m: exact_percentiles(v) for m, v in by_minute.items()}
+
+
+def render_soak(result: dict[str, Any]) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in result["worker_env"].items()) or "default settings"
+    lines = [(f"soak: {result['movements']:,} movements at {result['rate']:,}/s for {result['minutes']:g} min, one "
+             f"worker ({settings})"),
+             ("minute  records  p50 ms  p95 ms  p99 ms  max ms  <=50ms  txn p50/p99 ms  RSS MiB  DB MiB  invariant "
+             "checks (ms)")]
+    for row in result["per_minute"]:
+        x = row["exact"]
+        checks = ", ".join(f"{k} {1000 * v['seconds']:.0f}" for k, v in row["invariant_checks"].items()) or "-"
+        lines.append(f"{row['minute']:>6}  {x.get('rows', 0):>7,}  {x.get('p50_ms', float('nan')):>6.0f}  "
+                     f"{x.get('p95_ms', float('nan')):>6.0f}  {x.get('p99_ms', float('nan')):>6.0f}  "
+                     f"{x.get('max_ms', float('nan')):>6.0f}  {100 * x.get('under_50ms', float('nan')):>5.1f}%  "
+                     f"{row['batch_txn_p50_ms']:>6.0f}/{row['batch_txn_p99_ms']:<6.0f}  {row['worker_rss_mib']:>7.1f}  "
+                     f"{row['database_mib']:>6.0f}  {checks}")
+    v = result["verify"]
+    lines.append(f"verify at the end: {v['seconds']:.1f} s, peak RSS {v['peak_rss_mib']:.0f} MiB, exit "
+                 f"{v['exit_code']}, {v['last_line']}")
+    return "\n".join(lines)
+
+
+def render_sizes(results: Sequence[dict[str, Any]]) -> str:
+    lines = ["movements    verify s  verify peak RSS MiB  invariants: full s  incremental ms (median of 3)"]
+    lines += [f"{r['movements']:>11,}  {r['verify']['seconds']:>8.1f}  {r['verify']['peak_rss_mib']:>19.0f}  "
+              f"{r['invariants']['full_seconds']:>18.2f}  {1000 * r['invariants']['incremental_median_seconds']:>6.0f}"
+              for r in results]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/bench.py", description="the ledger at scale: " + __doc__.split(
+        "\n", 1)[0])
+    parser.add_argument("--soak", type=float, default=None, metavar="MINUTES", help="run a soak this long")
+    parser.add_argument("--rate", type=int, default=5_000, help="movements/s of the soak, and of the simulated "
+                        "minutes of the invariant measurement (default 5,000)")
+    parser.add_argument("--soak-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="an environment variable for the soak's worker (repeatable), e.g. to compare settings")
+    parser.add_argument("--verify-sizes", type=lambda raw: [int(x) for x in raw.split(",") if x.strip()],
+                        default=[], metavar="N,...", help="measure verify and the invariant checks at these sizes")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench-results/scale-<date>.json)")
+    args = parser.parse_args(argv)
+    if args.soak is None and not args.verify_sizes:
+        parser.error("give --soak MINUTES and/or --verify-sizes N,...")
+    if (args.soak is not None and args.soak <= 0) or args.rate < 1 or any(n < PARTITIONS for n in args.verify_sizes):
+        parser.error(f"--soak must be > 0, --rate >= 1, every --verify-sizes >= {PARTITIONS}")
+    if any("=" not in e for e in args.soak_env):
+        parser.error("--soak-env takes VAR=VALUE")
+    return args
+
+
+async def main(argv: Sequence[str]) -> int:
+    import bench  # noqa: PLC0415 - the sibling script: service discovery and the worker role, shared
+
+    args = parse_args(argv)
+    # stdout is for the tables: the library's own log lines (migrations) go to stderr, warnings and above only.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    services = bench.discover()
+    await bench.ensure_worker_role(services)
+    urls = (services.url_for, lambda db: services.url_for(db, worker=True))
+    results: dict[str, Any] = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                                        "cpus": os.cpu_count(), "argv": list(argv),
+                                        "load_average_at_start": os.getloadavg()}}
+    report = []
+    if args.verify_sizes:
+        results["verify_sizes"] = await verify_sizes(services.kafka, services.admin_url, urls, args.verify_sizes,
+                                                     args.rate)
+        report.append(render_sizes(results["verify_sizes"]))
+    if args.soak is not None:
+        env = dict(e.split("=", 1) for e in args.soak_env)
+        results["soak"] = await soak(services.kafka, services.admin_url, urls, args.soak, args.rate, env)
+        report.append(render_soak(results["soak"]))
+    results["meta"]["load_average_at_end"] = os.getloadavg()
+    out = args.out or ROOT / "bench-results" / f"scale-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print("\n\n".join(report))
+    say(f"results written to {out}")
+    return 0
+
+
+def run(argv: Sequence[str]) -> int:
+    # SIGTERM (a CI timeout, kill) ends the run like Ctrl-C: the finally blocks drop the database and the topic.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    return asyncio.run(main(argv))

@@ -1,0 +1,52 @@
+"""`scripts/bench.py --soak` and `--verify-sizes` keep working: short runs on the real broker and database.
+Nothing about speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Services
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measurement(
+    services: Services, tmp_path: Path,
+) -> None:
+    """A 2,400-movement preloaded ledger (verify, then the invariant checks over three simulated minutes) and a
+    one-minute soak at 300/s: the bench exits 0, prints both tables, and writes JSON with verify's time and peak
+    RSS, the invariant checks' durations, and per minute the latency quantiles, worker RSS and database size."""
+    out = tmp_path / "scale.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
+    env |= {"KAFKA_BOOTSTRAP_SERVERS": services.kafka, "DATABASE_URL": services.admin_url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--verify-sizes", "2400", "--soak", "1", "--rate", "300",
+         "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=400, check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    assert "verify at the end:" in done.stdout
+    assert "minute 1:" in done.stderr  # the live per-minute line
+
+    results = json.loads(out.read_text())
+    [size] = results["verify_sizes"]
+    assert size["movements"] == 2_400
+    assert size["verify"]["exit_code"] == 0
+    assert size["verify"]["last_line"] == "2400|2400"
+    assert size["verify"]["peak_rss_mib"] > 0
+    assert len(size["invariants"]["incremental_seconds"]) == 3
+    soak = results["soak"]
+    assert soak["movements"] == 18_000
+    assert soak["verify"]["last_line"] == "18000|18000"
+    first = soak["per_minute"][0]
+    assert set(first) >= {"minute", "p50_ms", "p95_ms", "p99_ms", "under_50ms", "worker_rss_mib", "database_mib",
+                          "invariant_checks", "exact"}
+    assert sum(m["exact"].get("rows", 0) for m in soak["per_minute"]) == 18_000
