@@ -190,8 +190,10 @@ async def preload(place: Place, ends: dict[int, int]) -> None:
             ADD CONSTRAINT stock_movements_coordinates_key UNIQUE (kafka_topic, kafka_partition, kafka_offset),
             ADD CONSTRAINT stock_movements_movement_id_key UNIQUE (movement_id)""")
         await conn.execute("CREATE INDEX stock_movements_applied_at_brin ON stock_movements USING brin (applied_at)")
-        await conn.execute("""INSERT INTO stock_levels (warehouse_id, sku, on_hand)
-                              SELECT warehouse_id, sku, sum(qty) FROM stock_movements GROUP BY 1, 2""")
+        # went_negative_at: set exactly when on_hand < 0 (a CHECK of migration 0004 keeps the two in step).
+        await conn.execute("""INSERT INTO stock_levels (warehouse_id, sku, on_hand, went_negative_at)
+                              SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END
+                                FROM stock_movements GROUP BY 1, 2""")
         await conn.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
                               SELECT $1, $2, p, n FROM unnest($3::int[], $4::bigint[]) AS e(p, n)""",
                            place.group, place.topic, parts, counts)
@@ -238,7 +240,9 @@ async def append_minute(conn: asyncpg.Connection, place: Place, per_partition: i
                   RETURNING warehouse_id, sku, qty)
                 INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand)
                 SELECT warehouse_id, sku, sum(qty) FROM ins GROUP BY 1, 2
-                ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + excluded.on_hand
+                ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = l.on_hand + excluded.on_hand,
+                    went_negative_at = CASE WHEN l.on_hand + excluded.on_hand < 0
+                                            THEN coalesce(l.went_negative_at, now()) END
             """, place.group, place.topic)
             await conn.execute("UPDATE consumer_offsets SET next_offset = next_offset + 1000 WHERE group_id = $1",
                                place.group)
