@@ -33,7 +33,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,6 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import psutil
@@ -57,8 +55,11 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from stock_ledger.batch import MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.config import Settings
 from stock_ledger.domain import Movement, parse
-from stock_ledger.migrate import find_migrations_dir, migrate
 from stock_ledger.produce import produce
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
+import localservices
+from localservices import WORKER_ROLE, free_port, script, url_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
 DEFAULT_BATCH: Final = Settings().batch_max_records  # the worker's default STOCK_LEDGER_BATCH_MAX_RECORDS
-WORKER_ROLE: Final = "stock_ledger_worker"
 MIB: Final = 1024 * 1024
 LEDGER_TABLES: Final = "stock_movements, rejected_movements, consumer_offsets, stock_levels"
 _STARTED: Final = time.monotonic()
@@ -87,17 +87,14 @@ class Services:
     worker_password: str
 
     def url_for(self, database: str, *, worker: bool = False) -> str:
-        parts = urlsplit(self.admin_url)
-        netloc = parts.netloc
         if worker:
-            netloc = f"{WORKER_ROLE}:{self.worker_password}@{netloc.rsplit('@', 1)[-1]}"
-        return urlunsplit((parts.scheme, netloc, f"/{database}", parts.query, parts.fragment))
+            return url_for(self.admin_url, database, WORKER_ROLE, self.worker_password)
+        return url_for(self.admin_url, database)
 
 
 def _script(name: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL"}}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / name), *args], check=True, capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = script(name, *args)
+    done.check_returncode()
     return done.stdout.strip()
 
 
@@ -115,26 +112,7 @@ def discover() -> Services:
 
 
 async def ensure_worker_role(services: Services) -> None:
-    """The least-privileged LOGIN role the worker runs as (what tests/conftest.py does)."""
-    conn = await asyncpg.connect(services.admin_url)
-    try:
-        await conn.execute("""
-            DO $$ BEGIN
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
-                CREATE ROLE stock_ledger_app NOLOGIN; END IF;
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
-                CREATE ROLE stock_ledger_worker LOGIN; END IF;
-            END $$""")
-        await conn.execute(f"ALTER ROLE {WORKER_ROLE} PASSWORD '{services.worker_password}'")
-        await conn.execute(f"GRANT stock_ledger_app TO {WORKER_ROLE}")
-    finally:
-        await conn.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    await localservices.ensure_worker_role(services.admin_url, services.worker_password)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -182,12 +160,7 @@ class Bench:
     async def create_database(self) -> None:
         self.database = f"sl_bench_{self.run_id}"
         await ensure_worker_role(self.services)
-        admin = await asyncpg.connect(self.services.admin_url)
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await admin.close()
-        await migrate(self.owner_url, find_migrations_dir(None))
+        await localservices.create_migrated_database(self.services.admin_url, self.database)
         say(f"database {self.database} created and migrated")
 
     async def drop_database(self) -> None:

@@ -30,20 +30,21 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
 from stock_ledger import sink, stock
 from stock_ledger.config import Settings
 from stock_ledger.migrate import migrate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
+from localservices import script, url_for
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -67,14 +68,9 @@ def say(message: str) -> None:
 def admin_url() -> str:
     if url := os.environ.get("DATABASE_URL"):
         return url
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "postgres.sh"), "url"], check=True, capture_output=True,
-                          text=True, timeout=600)
+    done = script("postgres.sh", "url")
+    done.check_returncode()
     return done.stdout.strip()
-
-
-def url_for(admin: str, database: str) -> str:
-    parts = urlsplit(admin)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{database}", parts.query, parts.fragment))
 
 
 async def scratch_database(admin: str, label: str) -> tuple[str, str]:

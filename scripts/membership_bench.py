@@ -44,8 +44,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROOT, Services, discover, ensure_worker_role, free_port, say
+from localservices import create_migrated_database
 
-from stock_ledger.migrate import find_migrations_dir, migrate
 from stock_ledger.produce import produce
 
 if TYPE_CHECKING:
@@ -114,12 +114,7 @@ class Run:
 
     async def setup(self) -> None:
         await ensure_worker_role(self.services)
-        admin = await asyncpg.connect(self.services.admin_url)
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await admin.close()
-        await migrate(self.services.url_for(self.database), find_migrations_dir(None))
+        await create_migrated_database(self.services.admin_url, self.database)
         kafka = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
         await kafka.start()
         try:

@@ -14,21 +14,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 import pytest_asyncio
+from scripts.localservices import WORKER_PASSWORD, ensure_worker_role, free_port, local_kafka, script
 
 from stock_ledger.migrate import migrate
-from tests.helpers import Env, Services, WorkerPool, free_port, scratch_database, scratch_topic
+from tests.helpers import Env, Services, WorkerPool, scratch_database, scratch_topic
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_PASSWORD = "stock_ledger_worker"  # noqa: S105 - a local test role
 
 
 def _docker_engine() -> bool:
@@ -54,9 +52,7 @@ def _docker_engine() -> bool:
 
 
 def _script(name: str, *args: str) -> str:
-    done = subprocess.run(["bash", str(ROOT / "scripts" / name), *args], check=False, capture_output=True,
-                          text=True, timeout=600, env={k: v for k, v in os.environ.items()
-                                                       if k not in {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL"}})
+    done = script(name, *args)
     if done.returncode != 0:
         pytest.fail(f"scripts/{name} {' '.join(args)} failed ({done.returncode}):\n{done.stderr}\n{done.stdout}")
     return done.stdout.strip()
@@ -118,7 +114,7 @@ def services() -> Iterator[Services]:
     _script("kafka.sh", "start")
     _script("postgres.sh", "start")
     # KAFKA_PORT: the port scripts/kafka.sh uses (a second broker of one's own runs on another).
-    yield Services(f"127.0.0.1:{os.environ.get('KAFKA_PORT', '9092')}", _script("postgres.sh", "url"), origin="scripts",
+    yield Services(local_kafka(), _script("postgres.sh", "url"), origin="scripts",
                    root=ROOT)
 
 
@@ -126,23 +122,7 @@ def services() -> Iterator[Services]:
 def worker_role(services: Services) -> str:
     """The least-privileged LOGIN role the workers run as (a member of stock_ledger_app)."""
 
-    async def ensure() -> None:
-        conn = await asyncpg.connect(services.admin_url)
-        try:
-            await conn.execute("""
-                DO $$ BEGIN
-                  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
-                    CREATE ROLE stock_ledger_app NOLOGIN; END IF;
-                  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
-                    CREATE ROLE stock_ledger_worker LOGIN; END IF;
-                END $$""")
-            await conn.execute(f"ALTER ROLE stock_ledger_worker PASSWORD '{WORKER_PASSWORD}'")
-            await conn.execute("GRANT stock_ledger_app TO stock_ledger_worker")
-        finally:
-            await conn.close()
-
-    asyncio.run(ensure())
-    return "stock_ledger_worker"
+    return asyncio.run(ensure_worker_role(services.admin_url, WORKER_PASSWORD))
 
 
 @pytest_asyncio.fixture

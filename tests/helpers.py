@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,11 +18,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from scripts.localservices import free_port, url_for
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,7 @@ class Services:
     root: Path | None = None
 
     def url_for(self, database: str, user: str | None = None, password: str | None = None) -> str:
-        parts = urlsplit(self.admin_url)
-        netloc = parts.netloc
-        if user is not None:
-            host = netloc.rsplit("@", 1)[-1]
-            netloc = f"{user}:{password}@{host}"
-        return urlunsplit((parts.scheme, netloc, f"/{database}", parts.query, parts.fragment))
+        return url_for(self.admin_url, database, user, password)
 
     def control(self, script: str, action: str) -> None:
         """Stop/start/restart a service this test run owns (scripts mode only)."""
@@ -104,10 +98,6 @@ async def scratch_topic(services: Services, partitions: int | None = 24, configs
             await admin.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -28,6 +28,7 @@ from stock_ledger.clients import create_database_pool, kafka_options
 from stock_ledger.gaps import find_gap
 from stock_ledger.invariants import Invariants
 from stock_ledger.lease import Lease, lease_key
+from stock_ledger.sink import stored_offsets
 from stock_ledger.stock import NEGATIVE_TOTALS
 from stock_ledger.topics import partitions_of
 
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_STORED: Final = "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
 
 class PositionMonitor:
     def __init__(self, settings: Settings, metrics: Metrics,
@@ -122,7 +122,7 @@ class PositionMonitor:
         now = time.time()
         committed = await self._admin.list_consumer_group_offsets(s.group_id)
         pool = await self._db()
-        stored = {r["partition"]: r["next_offset"] for r in await pool.fetch(_STORED, s.group_id, s.topic)}
+        stored = await stored_offsets(pool, s.group_id, s.topic)
         for tp in tps:
             labels = (s.group_id, s.topic, str(tp.partition))
             db = stored.get(tp.partition)

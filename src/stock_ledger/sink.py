@@ -169,6 +169,14 @@ SELECT pid FROM pg_stat_activity
 """
 _TERMINATE: Final = "SELECT pid FROM unnest($1::int[]) AS pid WHERE pg_terminate_backend(pid)"
 
+_STORED: Final = "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
+
+
+async def stored_offsets(db: asyncpg.Connection | asyncpg.Pool, group_id: str, topic: str) -> dict[int, int | None]:
+    """The source of truth for positions: partition -> next offset to apply (None: claimed, nothing applied)."""
+    return {r[0]: r[1] for r in await db.fetch(_STORED, group_id, topic)}
+
+
 _CURRENT: Final = """
 SELECT partition, epoch, next_offset FROM consumer_offsets
  WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])

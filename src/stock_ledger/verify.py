@@ -32,9 +32,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from stock_ledger.clients import connect_database, kafka_options
 from stock_ledger.errors import ConfigError, StockLedgerError
 from stock_ledger.gaps import find_gap
-from stock_ledger.invariants import COORDINATES_UNIQUE
+from stock_ledger.invariants import COORDINATES_UNIQUE, LEVEL_MISMATCHES
 from stock_ledger.progress import Progress
 from stock_ledger.ranges import Found, Runs, clip, describe, difference
+from stock_ledger.sink import stored_offsets
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 _FETCH_RECORDS: Final = 50_000
 _STALL_SECONDS: Final = 60.0
-_STORED: Final = "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
 # Both tables' offsets of one partition, from `$3` on, in offset order (a merge of the two unique indexes); only the
 # rows where a run of consecutive offsets starts or ends, or where an offset repeats, leave the server.
 _BOUNDARIES: Final = """
@@ -74,14 +74,7 @@ SELECT count(*) FROM {table} AS t JOIN unnest($2::int[], $3::bigint[]) AS s(p, l
     ON t.kafka_partition = s.p AND t.kafka_offset >= s.lo
  WHERE t.kafka_topic = $1
 """
-_MISMATCHES: Final = """
-SELECT coalesce(m.warehouse_id, l.warehouse_id) AS w, coalesce(m.sku, l.sku) AS s,
-       coalesce(m.total, 0) AS total, coalesce(l.on_hand, 0) AS on_hand
-  FROM (SELECT warehouse_id, sku, sum(qty) AS total FROM stock_movements GROUP BY 1, 2) AS m
-  FULL JOIN stock_levels AS l USING (warehouse_id, sku)
- WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)
- LIMIT 5
-"""
+_MISMATCHES: Final = f"{LEVEL_MISMATCHES} LIMIT 5"
 
 
 @dataclass
@@ -265,7 +258,7 @@ async def wait_for_drain(settings: Settings, seconds: float) -> bool:
                    for p in await partitions_of(settings.kafka_bootstrap_servers, settings.topic,
                                                 options=kafka_options(settings))]
             ends = await consumer.end_offsets(tps) if tps else {}
-            stored = {r[0]: r[1] for r in await conn.fetch(_STORED, settings.group_id, settings.topic)}
+            stored = await stored_offsets(conn, settings.group_id, settings.topic)
             # next_offset may stop short of the log end only by trailing transaction markers; verify checks that.
             behind = {tp.partition: ends[tp] - (stored.get(tp.partition) or 0) for tp in tps
                       if ends[tp] - (stored.get(tp.partition) or 0) > 1}
@@ -326,8 +319,7 @@ async def verify(settings: Settings, expect: int | None = None, show_progress: b
         conn = await connect_database(settings, application_name="stock-ledger-verify")
         try:
             async with conn.transaction(isolation="repeatable_read", readonly=True):
-                stored: dict[int, int | None] = {
-                    r[0]: r[1] for r in await conn.fetch(_STORED, settings.group_id, settings.topic)}
+                stored = await stored_offsets(conn, settings.group_id, settings.topic)
                 ends_after = {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
                 starts = await _starts(conn, settings.topic, scope, stored, log_starts)
                 windows = {p: Window(starts[p], log_starts[p], ends[p], ends_after[p], stored.get(p))

@@ -10,12 +10,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
+from scripts.localservices import WORKER_PASSWORD
 
 from tests.helpers import Env, Services, scratch_database, scratch_topic
 
 from .support import Containers, require_image
-
-WORKER_PASSWORD = "stock_ledger_worker"  # noqa: S105 - the local test role of tests/conftest.py
 
 
 @pytest.fixture(scope="session")
