@@ -3,8 +3,9 @@
 The lag/drift timer and the ledger scans cost the same whatever the replica count, so they run on one pod (the
 leader), chosen by `pg_try_advisory_lock` on a session held for the purpose: the lease lasts exactly as long as
 that session. A leader that dies or loses its session frees the lease at once and another pod takes it on its next
-tick. A leader that is frozen keeps its session, hence the lease: its /healthz stops answering and the liveness
-probe restarts it (and the target-down alert fires), which frees the lease.
+tick. The leader touches the session on every tick, and the session carries `idle_session_timeout`: a leader that
+is frozen (SIGSTOP, a long pause) stops touching it, so the server ends the session and another pod takes over
+within that timeout, instead of the lag metrics going silent with the frozen pod.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def lease_key(group_id: str, topic: str) -> int:
 
 
 class Lease:
-    def __init__(self, connect: Callable[[], Awaitable[asyncpg.Connection]], key: int) -> None:
+    def __init__(self, connect: Callable[[], Awaitable[asyncpg.Connection]], key: int, idle_timeout: float) -> None:
         self._connect = connect
         self._key = key
+        self._idle_timeout_ms = max(1_000, int(idle_timeout * 1000))
         self._conn: asyncpg.Connection | None = None
         self._checking = asyncio.Lock()  # both monitor timers ask; one session, one answer
         self.held = False
@@ -50,7 +52,10 @@ class Lease:
                 log.warning("monitor.lease_lost", detail="the session holding the lease closed")
             self.held = False
             self._conn = await self._connect()
-        if not self.held:
+            await self._conn.execute(f"SET idle_session_timeout = {self._idle_timeout_ms}")
+        if self.held:
+            await self._conn.execute("SELECT 1")  # the heartbeat a frozen leader stops sending
+        else:
             self.held = bool(await self._conn.fetchval("SELECT pg_try_advisory_lock($1)", self._key))
             if self.held:
                 log.info("monitor.lease_taken", detail="this pod runs the lag/drift timer and the ledger checks")

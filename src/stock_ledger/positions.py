@@ -48,7 +48,9 @@ class PositionMonitor:
                  connect: Callable[[], Awaitable[asyncpg.Connection]]) -> None:
         self._s = settings
         self._m = metrics
-        self._lease = Lease(connect, lease_key(settings.group_id, settings.topic))
+        # A leader silent for three refreshes (at least 10 s) is frozen: the server ends its lease session.
+        self._lease = Lease(connect, lease_key(settings.group_id, settings.topic),
+                            max(10.0, 3 * settings.position_refresh_seconds))
         self._tasks: list[asyncio.Task[None]] = []
         self._pool: asyncpg.Pool | None = None
         self._kafka: AIOKafkaConsumer | None = None

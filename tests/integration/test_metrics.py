@@ -123,12 +123,12 @@ async def test_healthz_turns_503_when_the_main_loop_stalls_and_lag_keeps_growing
 
 
 
-async def test_one_pod_leads_the_monitors_and_another_takes_over_when_it_dies(
+async def test_one_pod_leads_the_monitors_and_another_takes_over_when_it_freezes(
     services: Services, database: Env, topic: str, workers: WorkerPool,
 ) -> None:
     """Three workers of one group: exactly one exports stock_ledger_monitor_leader 1 and the per-partition gauges
-    (with the group label); the others export 0 and none. SIGKILL the leader: another pod takes the lease within a
-    few refreshes."""
+    (with the group label); the others export 0 and none. Freeze the leader (SIGSTOP: its session stays open): the
+    server ends its idle lease session and another pod takes the lease and exports the gauges."""
     await produce(services.kafka, topic, 2_000, seed=23, show_progress=False)
     pool = [workers.start() for _ in range(3)]
     await wait_drained(services, database, topic, workers.group, 90, workers)
@@ -147,9 +147,15 @@ async def test_one_pod_leads_the_monitors_and_another_takes_over_when_it_dies(
     for w in pool:
         if w is not leader:
             assert _per_partition(w, "stock_ledger_partition_lag_messages") == {}
-    leader.kill()
-    await eventually(lambda: len(leaders()) == 1, 30, "another pod to take the lease", workers)
-    assert leaders()[0] is not leader
+    leader.signal(signal.SIGSTOP)  # frozen, not dead: its session stays open, but it stops touching it
+    try:
+        await eventually(lambda: [w for w in leaders() if w is not leader], 45,
+                         "another pod to take the lease from the frozen leader", workers)
+    finally:
+        leader.signal(signal.SIGCONT)
+    successor = next(w for w in leaders() if w is not leader)
+    await eventually(lambda: len(_per_partition(successor, "stock_ledger_partition_lag_messages")) == 24, 30,
+                     "the new leader's partition gauges", workers)
 
 
 async def test_lag_in_seconds_is_the_age_of_the_oldest_unapplied_record(
