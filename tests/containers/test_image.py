@@ -127,12 +127,9 @@ class TestSigtermAsPid1:
             containers.env = settings_env(services, "unused", "unused")
             name = containers.start("migrate", env={"DATABASE_URL": blank_database.owner_url})
 
-            async def waiting() -> bool:
-                return bool(await holder.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type"
-                    " = 'Lock' AND wait_event = 'advisory'"))
-
-            await eventually(waiting, 60, "migrate waiting on the advisory lock")
+            # migrate polls the lock (pg_try_advisory_lock, a progress line per wait): waiting is in its log.
+            await eventually(lambda: "migration.waiting_for_lock" in containers.logs(name), 60,
+                             "migrate waiting for the migration lock")
             elapsed, code = stop(containers, name)
         finally:
             await holder.close()
