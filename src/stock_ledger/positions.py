@@ -119,12 +119,15 @@ class PositionMonitor:
         if self._kafka.assignment() != set(tps):
             self._kafka.assign(tps)
             self._kafka.pause(*tps)
-        ends = await self._kafka.end_offsets(tps) if tps else {}
-        starts = await self._kafka.beginning_offsets(tps) if tps else {}
-        now = time.time()
+        # The order matters while workers commit: Kafka's advisory commit follows each database commit, so reading
+        # it first keeps drift >= 0; the log ends only grow, so reading them after the stored offsets keeps
+        # end >= stored (no phantom hole "past the log end").
         committed = await self._admin.list_consumer_group_offsets(s.group_id)
         pool = await self._db()
         stored = await stored_offsets(pool, s.group_id, s.topic)
+        ends = await self._kafka.end_offsets(tps) if tps else {}
+        starts = await self._kafka.beginning_offsets(tps) if tps else {}
+        oldest: dict[TopicPartition, int] = {}
         for tp in tps:
             labels = (s.group_id, s.topic, str(tp.partition))
             db = stored.get(tp.partition)
@@ -134,27 +137,38 @@ class PositionMonitor:
             self._m.lag.labels(*labels).set(end - (db or 0))
             gap = find_gap(tp.partition, db, int(starts[tp]), end) if db is not None else None
             self._m.gap.labels(*labels).set(gap.size if gap else 0)
-            oldest = db if db is not None else int(starts[tp])  # nothing stored yet: the reset policy's start
-            self._m.lag_seconds.labels(*labels).set(await self._age_of(tp, oldest, end, now)
-                                                    if gap is None and oldest < end else 0)
+            first = db if db is not None else int(starts[tp])  # nothing stored yet: the reset policy's start
+            if gap is None and first < end:
+                oldest[tp] = first
             meta = committed.get(tp)
             if meta is not None and meta.offset >= 0:
                 self._m.kafka_committed_offset.labels(*labels).set(meta.offset)
                 self._m.drift.labels(*labels).set((db or 0) - meta.offset)
+        ages = await self._ages(oldest)
+        for tp in tps:
+            self._m.lag_seconds.labels(s.group_id, s.topic, str(tp.partition)).set(ages.get(tp, 0.0))
 
-    async def _age_of(self, tp: TopicPartition, offset: int, end: int, now: float) -> float:
-        """Seconds since the oldest unapplied record (at `offset`) was produced; 0 if it cannot be read now."""
+    async def _ages(self, oldest: dict[TopicPartition, int]) -> dict[TopicPartition, float]:
+        """Seconds since each partition's oldest unapplied record was produced: one fetch round for all of them
+        (a record each), bounded to a second; a partition not read in time shows 0 until the next refresh."""
         assert self._kafka is not None  # noqa: S101 - _positions started it
-        self._kafka.seek(tp, offset)
-        self._kafka.resume(tp)
+        if not oldest:
+            return {}
+        for tp, offset in oldest.items():
+            self._kafka.seek(tp, offset)
+        self._kafka.resume(*oldest)
+        found: dict[TopicPartition, int] = {}
+        deadline = time.monotonic() + 1.0
         try:
-            fetched = await self._kafka.getmany(tp, timeout_ms=1000, max_records=1)
+            while len(found) < len(oldest) and time.monotonic() < deadline:
+                fetched = await self._kafka.getmany(*[tp for tp in oldest if tp not in found], timeout_ms=200)
+                for tp, records in fetched.items():
+                    if records and tp not in found:
+                        found[tp] = records[0].timestamp
         finally:
-            self._kafka.pause(tp)
-        records = fetched.get(tp) or []
-        if not records or records[0].offset >= end or records[0].timestamp < 0:
-            return 0.0
-        return max(0.0, now - float(records[0].timestamp) / 1000)
+            self._kafka.pause(*oldest)
+        now = time.time()
+        return {tp: max(0.0, now - ts / 1000) for tp, ts in found.items() if ts >= 0}
     async def _negative_stock(self) -> None:
         # Reads the partial index of negative levels and those rows only: cheap at any ledger size, so it can run
         # on the fast timer (its own task: a Kafka outage that fails _positions must not freeze it).

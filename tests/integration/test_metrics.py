@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
@@ -175,3 +176,23 @@ async def test_lag_in_seconds_is_the_age_of_the_oldest_unapplied_record(
     await eventually(lambda: len(_per_partition(fresh, "stock_ledger_partition_lag_seconds")) == 24
                      and max(_per_partition(fresh, "stock_ledger_partition_lag_seconds").values()) == 0,
                      30, "lag in seconds back to 0", workers)
+
+
+async def test_no_phantom_hole_while_a_worker_drains_a_live_topic(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """A producer at 4,000/s and a worker committing as it goes: the positions are read while both move, yet
+    stock_ledger_partition_gap_messages stays 0 on every partition on every refresh (a stored offset read after
+    the log end would look like a hole past the log end and page someone)."""
+    # Small batches committed often, and positions refreshed often: many chances to read the two sides apart.
+    w = workers.start(STOCK_LEDGER_POSITION_REFRESH_SECONDS="0.1", STOCK_LEDGER_BATCH_MAX_WAIT_MS="5")
+    producer = asyncio.create_task(produce(services.kafka, topic, 40_000, rate=4_000, seed=29, show_progress=False))
+    seen: list[float] = []
+    try:
+        while not producer.done():
+            seen += _per_partition(w, "stock_ledger_partition_gap_messages").values()
+            await asyncio.sleep(0.1)
+    finally:
+        await producer
+    assert len(seen) > 24 * 20, f"too few samples of the gap gauge\n{workers.logs_tail(15)}"
+    assert max(seen) == 0
