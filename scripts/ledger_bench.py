@@ -235,6 +235,20 @@ async def sizes(bench: Bench) -> dict[str, Any]:
     return {**{n: float(row[i]) for i, n in enumerate(names)}, "shared_buffers": str(row[5])}
 
 
+async def io_counters(bench: Bench) -> dict[str, float]:
+    """WAL bytes written so far, and this database's shared-buffer reads (misses) and hits: what a drain costs in
+    I/O, per movement, once differenced (the WAL counter is server-wide: other databases' writes are included)."""
+    conn = await bench.owner()
+    try:
+        row = await conn.fetchrow("""
+            SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8, blks_read::float8, blks_hit::float8
+              FROM pg_stat_database WHERE datname = current_database()""")
+    finally:
+        await conn.close()
+    assert row is not None  # noqa: S101 - the current database has a row
+    return {"wal_bytes": row[0], "blocks_read": row[1], "blocks_hit": row[2]}
+
+
 async def scaleout(bench: Bench, topic: str, o: LedgerOptions) -> list[dict[str, float]]:
     results = []
     for n in o.workers:
@@ -259,7 +273,10 @@ async def growth(bench: Bench, topic: str, o: LedgerOptions, deadline: float | N
         have = size
         runs = []
         for r in range(o.repeat):
+            before = await io_counters(bench)
             runs.append(await drain(bench, topic, f"growth-{size}-{r}", 1, o.backlog, o.timeout))
+            after = await io_counters(bench)
+            runs[-1] |= {f"{k}_per_movement": (after[k] - before[k]) / o.backlog for k in before}
             measured = await scans(bench) | {k: v for k, v in (await sizes(bench)).items() if k != "shared_buffers"}
             runs[-1] |= measured
             await forget(bench, topic)
