@@ -393,6 +393,7 @@ class PeerOptions:
     modes: list[str]
     seed: int
     skip_drill: bool
+    skip_side: bool
     timeout: float
     out: Path
 
@@ -407,10 +408,11 @@ async def measure(o: PeerOptions) -> dict[str, Any]:
         await bench.create_database()
         ours = await bench.create_topic("ours")
         theirs = await bench.create_topic("connect")
-        await bench.produce(ours, o.count, seed=o.seed)
-        say(f"producing the same {o.count:,} movements in the JsonConverter envelope to {theirs}")
-        result["envelope_produce_seconds"] = await produce_envelopes(bench, theirs, o.count, o.seed)
-        for r in range(o.repeat):
+        if not o.skip_side:
+            await bench.produce(ours, o.count, seed=o.seed)
+            say(f"producing the same {o.count:,} movements in the JsonConverter envelope to {theirs}")
+            result["envelope_produce_seconds"] = await produce_envelopes(bench, theirs, o.count, o.seed)
+        for r in range(0 if o.skip_side else o.repeat):
             say(f"=== repetition {r + 1}/{o.repeat}")
             run = {f"ours_{k}": v for k, v in (await bench.worker(ours, f"peer-{r}", 1, o.count)).items()}
             for mode in o.modes:
@@ -434,6 +436,11 @@ async def measure(o: PeerOptions) -> dict[str, Any]:
         result["services"] = await bench.versions()
     except BaseException:
         bench.keep_logs = True
+        # What was measured before the failure is kept (a shared PostgreSQL restarted mid-drill once).
+        o.out.parent.mkdir(parents=True, exist_ok=True)
+        partial = o.out.with_name(o.out.stem + "-partial.json")
+        partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        say(f"failed: what was measured so far is in {partial}")
         raise
     finally:
         await bench.drop_database()
@@ -444,25 +451,28 @@ async def measure(o: PeerOptions) -> dict[str, Any]:
 
 def summarise(o: PeerOptions, measured: dict[str, Any]) -> dict[str, Any]:
     runs = measured["runs"]
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    ratios = {f"ours_vs_connect_{m}": med["ours_rate"] / med[f"connect_{m}_rate"] for m in o.modes}
-    ratios_first_run = {f"ours_vs_connect_{m}": runs[0]["ours_rate"] / runs[0][f"connect_{m}_rate"] for m in o.modes}
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
+    ratios = {f"ours_vs_connect_{m}": med["ours_rate"] / med[f"connect_{m}_rate"] for m in o.modes} if runs else {}
+    ratios_first_run = {f"ours_vs_connect_{m}": runs[0]["ours_rate"] / runs[0][f"connect_{m}_rate"]
+                        for m in o.modes} if runs else {}
     return {"meta": environment(Options(o.count, 1, o.repeat, 0, 1, None, [], 1, o.timeout, o.out, None))
             | {"peer_options": {k: str(v) for k, v in vars(o).items()}, "services": measured.get("services"),
                "connect": {"kafka_connect": KAFKA_VERSION, "sink": DEBEZIUM}},
             "runs": runs, "median": med, "ratios": ratios, "ratios_first_run": ratios_first_run,
-            "drill": measured["drill"], "envelope_produce_seconds": measured["envelope_produce_seconds"]}
+            "drill": measured["drill"], "envelope_produce_seconds": measured.get("envelope_produce_seconds")}
 
 
 def render(o: PeerOptions, s: dict[str, Any]) -> str:
     m = s["median"]
-    out = [(f"stock-ledger vs Kafka Connect {KAFKA_VERSION} + Debezium JDBC sink, {s['meta']['date']}: N={o.count:,}, "
-           f"median of {o.repeat}"), "",
-           "system                               movements/s (process start)  (first row)  ratio",
-           f"{'stock-ledger run (x1)':<37}{m['ours_rate']:>28,.0f}  {m['ours_steady_rate']:>11,.0f}"]
-    out += [f"{'Connect + JDBC sink, ' + mode:<37}{m[f'connect_{mode}_rate']:>28,.0f}  "
-            f"{m[f'connect_{mode}_steady_rate']:>11,.0f}  ours = {s['ratios'][f'ours_vs_connect_{mode}']:.1f} x"
-            for mode in o.modes]
+    out: list[str] = []
+    if m:
+        out += [(f"stock-ledger vs Kafka Connect {KAFKA_VERSION} + Debezium JDBC sink, {s['meta']['date']}: "
+                 f"N={o.count:,}, median of {o.repeat}"), "",
+                "system                               movements/s (process start)  (first row)  ratio",
+                f"{'stock-ledger run (x1)':<37}{m['ours_rate']:>28,.0f}  {m['ours_steady_rate']:>11,.0f}"]
+        out += [f"{'Connect + JDBC sink, ' + mode:<37}{m[f'connect_{mode}_rate']:>28,.0f}  "
+                f"{m[f'connect_{mode}_steady_rate']:>11,.0f}  ours = {s['ratios'][f'ours_vs_connect_{mode}']:.1f} x"
+                for mode in o.modes]
     if s["drill"]:
         out += ["", f"kill drill ({o.drill_count:,} movements, kill -9 at random moments, restart):",
                 "system                 kills  rows | distinct  duplicates"]
@@ -480,6 +490,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PeerOptions:
     p.add_argument("--modes", default="insert,upsert", help="Debezium insert.mode values to run")
     p.add_argument("--seed", type=int, default=21, help="seed of the movements and of the kill moments")
     p.add_argument("--skip-drill", action="store_true", help="only the side-by-side run")
+    p.add_argument("--skip-side", action="store_true", help="only the kill drill")
     p.add_argument("--timeout", type=float, default=900.0, help="give up on a drain after this many seconds")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default bench-results/peer-<date>.json)")
     a = p.parse_args(argv)
@@ -488,7 +499,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PeerOptions:
         p.error("--count, --drill-count, --repeat >= 1, --kills >= 0, --modes from insert,upsert")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = a.out or ROOT / "bench-results" / f"peer-{stamp}.json"
-    return PeerOptions(a.count, a.drill_count, a.kills, a.repeat, modes, a.seed, a.skip_drill, a.timeout, out)
+    return PeerOptions(a.count, a.drill_count, a.kills, a.repeat, modes, a.seed, a.skip_drill, a.skip_side, a.timeout,
+                       out)
 
 
 async def main(o: PeerOptions) -> int:
@@ -503,10 +515,11 @@ async def main(o: PeerOptions) -> int:
     o.out.parent.mkdir(parents=True, exist_ok=True)
     o.out.write_text(json.dumps(summary, indent=2) + "\n")
     m = summary["median"]
-    o.out.with_suffix(".svg").write_text(bar_svg(
-        f"{o.count:,} movements, from process start (movements/s)",
-        [("stock-ledger", m["ours_rate"]), *((f"Connect {mode}", m[f"connect_{mode}_rate"]) for mode in o.modes)],
-        "same broker, same PostgreSQL, same movements"))
+    if m:
+        o.out.with_suffix(".svg").write_text(bar_svg(
+            f"{o.count:,} movements, from process start (movements/s)",
+            [("stock-ledger", m["ours_rate"]), *((f"Connect {mode}", m[f"connect_{mode}_rate"]) for mode in o.modes)],
+            "same broker, same PostgreSQL, same movements"))
     print(render(o, summary))
     say(f"results written to {o.out}")
     return 0
