@@ -92,6 +92,7 @@ class LedgerOptions:
     repeat: int
     timeout: float
     skip_scaleout: bool
+    skip_scans: bool
     out: Path
 
 
@@ -103,6 +104,11 @@ def median_of(runs: Sequence[dict[str, float]]) -> dict[str, float]:
 def per_million(size_bytes: float, rows: int) -> float:
     """MiB per million movements (NaN for an empty ledger: fixed overhead only)."""
     return size_bytes / 1024**2 / (rows / 1e6) if rows else float("nan")
+
+
+def scan_seconds(entry: dict[str, Any], name: str) -> float:
+    """How long invariant scan `name` took (NaN when --skip-scans)."""
+    return float(entry.get(f"scan_{name}_seconds", float("nan")))
 
 
 def scaling_efficiency(rates: dict[int, float]) -> dict[int, float]:
@@ -277,14 +283,15 @@ async def growth(bench: Bench, topic: str, o: LedgerOptions, deadline: float | N
             runs.append(await drain(bench, topic, f"growth-{size}-{r}", 1, o.backlog, o.timeout))
             after = await io_counters(bench)
             runs[-1] |= {f"{k}_per_movement": (after[k] - before[k]) / o.backlog for k in before}
-            measured = await scans(bench) | {k: v for k, v in (await sizes(bench)).items() if k != "shared_buffers"}
+            timed = {} if o.skip_scans else await scans(bench)
+            measured = timed | {k: v for k, v in (await sizes(bench)).items() if k != "shared_buffers"}
             runs[-1] |= measured
             await forget(bench, topic)
         entry: dict[str, Any] = {"ledger_movements": size, "preload_seconds": seconds, **median_of(runs)}
         entry["mib_per_million"] = per_million(entry["movements_total_bytes"], size + o.backlog)
         entry["shared_buffers"] = (await sizes(bench))["shared_buffers"]
-        say(f"growth {size:,}: {entry['rate']:,.0f}/s, scans {entry['scan_duplicates_seconds']:.2f}s + "
-            f"{entry['scan_level_mismatches_seconds']:.2f}s, stock_movements "
+        say(f"growth {size:,}: {entry['rate']:,.0f}/s, scans {scan_seconds(entry, 'duplicates'):.2f}s + "
+            f"{scan_seconds(entry, 'level_mismatches'):.2f}s, stock_movements "
             f"{entry['movements_total_bytes'] / 2**20:,.0f} MiB ({entry['mib_per_million']:,.0f} MiB per million)")
         results.append(entry)
     return results
@@ -308,7 +315,7 @@ def render(summary: dict[str, Any]) -> str:
         out += [("ledger movements  drain/s  vs first  scans s (dup + levels)  stock_movements MiB  MiB/M  "
                 "movement_id idx MiB  coords idx MiB")]
         out += [f"{g['ledger_movements']:>16,}  {g['rate']:>7,.0f}  {g['rate'] / base:>8.2f}  "
-                f"{g['scan_duplicates_seconds']:>8.2f} + {g['scan_level_mismatches_seconds']:>5.2f}        "
+                f"{scan_seconds(g, 'duplicates'):>8.2f} + {scan_seconds(g, 'level_mismatches'):>5.2f}        "
                 f"{g['movements_total_bytes'] / 2**20:>19,.0f}  {g['mib_per_million']:>5,.0f}  "
                 f"{g['movement_id_index_bytes'] / 2**20:>19,.0f}  {g['coordinates_index_bytes'] / 2**20:>14,.0f}"
                 for g in summary["growth"]]
@@ -324,6 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[LedgerOptions, float 
     p.add_argument("--repeat", type=int, default=1, help="repeat each drain and report medians")
     p.add_argument("--timeout", type=float, default=900.0, help="give up on a drain after this many seconds")
     p.add_argument("--skip-scaleout", action="store_true", help="only the growth curve")
+    p.add_argument("--skip-scans", action="store_true", help="do not time the invariant scans (minutes at 20M)")
     p.add_argument("--stop-at", default=None, help="HH:MM (UTC): start no further ledger size after this time")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default bench-results/ledger-<date>.json)")
     a = p.parse_args(argv)
@@ -337,7 +345,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[LedgerOptions, float 
         deadline = datetime.now(UTC).replace(hour=hh, minute=mm, second=0, microsecond=0).timestamp()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = a.out or ROOT / "bench-results" / f"ledger-{stamp}.json"
-    return LedgerOptions(a.backlog, sizes_, workers, a.repeat, a.timeout, a.skip_scaleout, out), deadline
+    return LedgerOptions(a.backlog, sizes_, workers, a.repeat, a.timeout, a.skip_scaleout, a.skip_scans, out), deadline
 
 
 async def main(o: LedgerOptions, deadline: float | None) -> int:
