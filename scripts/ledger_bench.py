@@ -266,9 +266,10 @@ async def scaleout(bench: Bench, topic: str, o: LedgerOptions) -> list[dict[str,
     return results
 
 
-async def growth(bench: Bench, topic: str, o: LedgerOptions, deadline: float | None) -> list[dict[str, Any]]:
+async def growth(bench: Bench, topic: str, o: LedgerOptions, deadline: float | None,
+                 summary: dict[str, Any]) -> list[dict[str, Any]]:
     await bench.reset_ledger()
-    results: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = summary["growth"]  # filled in place: a failure keeps the sizes done
     have = 0
     for size in o.sizes:
         if deadline is not None and time.time() > deadline:
@@ -363,8 +364,15 @@ async def main(o: LedgerOptions, deadline: float | None) -> int:
             say("=== scale-out")
             summary["scaleout"] = await scaleout(bench, topic, o)
         say("=== growth")
-        summary["growth"] = await growth(bench, topic, o, deadline)
+        summary["growth"] = await growth(bench, topic, o, deadline, summary)
         summary["services"] = await bench.versions()
+    except BaseException:
+        # Keep what was measured (the shared PostgreSQL was restarted under a run twice).
+        o.out.parent.mkdir(parents=True, exist_ok=True)
+        partial = o.out.with_name(o.out.stem + "-partial.json")
+        partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        say(f"failed: what was measured so far is in {partial}")
+        raise
     finally:
         await bench.drop_database()
         await bench.delete_topics()
