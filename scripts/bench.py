@@ -902,6 +902,14 @@ def run() -> int:
         import bench_scale  # noqa: PLC0415 - beside this script, on sys.path
 
         return bench_scale.run(sys.argv[1:])
+    # `bench.py --peer connect [peer options]`: Kafka Connect side by side, in scripts/peer_bench.py (its own flags).
+    if sys.argv[1:2] == ["--peer"] or any(a.startswith("--peer=") for a in sys.argv[1:2]):
+        peer = sys.argv[2] if sys.argv[1] == "--peer" and len(sys.argv) > 2 else sys.argv[1].partition("=")[2]
+        if peer != "connect":
+            sys.exit(f"bench.py: --peer {peer!r} is not known; the one peer is 'connect' (scripts/peer_bench.py)")
+        from peer_bench import run as run_peer  # noqa: PLC0415 - only this mode needs it
+
+        return run_peer(sys.argv[3 if sys.argv[1] == "--peer" else 2:])
     opts = parse_args()
     try:
         import uvloop  # noqa: PLC0415 - the worker runs on uvloop, so the limits are measured on it too

@@ -1,0 +1,90 @@
+"""The pure helpers of the peer and growth benchmarks (scripts/peer_bench.py, scripts/ledger_bench.py).
+
+The benchmarks themselves run for minutes against Kafka Connect and multi-million-row ledgers, so CI does not run
+them; what they compute from their measurements, and the input they hand the peer, is checked here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+import xml.etree.ElementTree as ET
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from stock_ledger.domain import Movement, encode, parse
+from stock_ledger.produce import movements
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import ledger_bench  # noqa: E402 - a script, importable once scripts/ is on the path
+import peer_bench  # noqa: E402
+
+
+def test_the_connect_envelope_carries_the_same_movement_with_a_schema_naming_every_payload_field() -> None:
+    """The peer reads JsonConverter's {"schema", "payload"} form of the very movement we produce: same id, same
+    values, the timestamp with its offset, uuid and timestamptz requested by Debezium's logical type names."""
+    key, value = next(movements(1, seed=7))
+    m = parse(key, value)
+    assert isinstance(m, Movement)
+    envelope = json.loads(peer_bench.connect_envelope(m))
+    payload, schema = envelope["payload"], envelope["schema"]
+    assert [f["field"] for f in schema["fields"]] == list(payload)
+    assert uuid.UUID(payload["movement_id"]) == m.movement_id
+    assert datetime.fromisoformat(payload["occurred_at"]) == m.occurred_at
+    assert (payload["warehouse_id"], payload["sku"], payload["qty"], payload["kind"]) == (
+        m.warehouse_id, m.sku, m.qty, m.kind)
+    names = {f["field"]: f.get("name") for f in schema["fields"]}
+    assert names["movement_id"] == "io.debezium.data.Uuid"
+    assert names["occurred_at"] == "io.debezium.time.ZonedTimestamp"
+
+
+def test_the_envelope_keeps_the_warehouse_offset_of_the_timestamp() -> None:
+    """A movement stamped at +02:00 reaches the peer as the same instant with its offset, not a naive time."""
+    local = datetime(2026, 1, 1, 12, tzinfo=timezone(timedelta(hours=2)))
+    m = parse(b"SKU-1", encode(Movement(uuid.uuid4(), "WH-1", "SKU-1", 3, "receipt", local)))
+    assert isinstance(m, Movement)
+    sent = json.loads(peer_bench.connect_envelope(m))["payload"]["occurred_at"]
+    assert sent.endswith("+02:00")
+    assert datetime.fromisoformat(sent) == local.astimezone(UTC)
+
+
+@pytest.mark.parametrize("name", ["worker.properties", "jdbc-sink.properties"])
+def test_the_committed_connect_templates_fill_completely_and_refuse_a_missing_value(name: str) -> None:
+    template = (SCRIPTS / "connect" / name).read_text()
+    names = ("bootstrap", "state", "plugins", "rest_port", "name", "topic", "jdbc_url", "user", "password", "mode",
+             "pk_mode", "pk_fields", "table")
+    values = dict.fromkeys(names, "X")
+    filled = peer_bench.fill(template, **values)
+    assert "${" not in filled.replace("$$", "")
+    assert "InsertField$Value" in filled or name == "worker.properties"
+    with pytest.raises(KeyError):
+        peer_bench.fill(template)
+
+
+def test_jdbc_url_is_built_from_the_postgres_url_of_the_services() -> None:
+    assert peer_bench.jdbc_url("postgresql://u:p@127.0.0.1:5433/postgres", "sl_bench_1") == (
+        "jdbc:postgresql://127.0.0.1:5433/sl_bench_1", "u", "p")
+
+
+def test_scaling_efficiency_is_rate_over_n_times_the_single_worker_rate() -> None:
+    eff = ledger_bench.scaling_efficiency({1: 100.0, 2: 150.0, 6: 120.0})
+    assert eff == {1: 1.0, 2: 0.75, 6: pytest.approx(0.2)}
+    assert ledger_bench.scaling_efficiency({2: 10.0}) == {}
+
+
+def test_size_per_million_and_medians() -> None:
+    assert ledger_bench.per_million(2 * 1024**2 * 5, 5_000_000) == pytest.approx(2.0)
+    assert ledger_bench.per_million(10.0, 0) != ledger_bench.per_million(10.0, 0)  # NaN: no rows, no ratio
+    assert ledger_bench.median_of([{"a": 1.0}, {"a": 5.0}, {"a": 2.0}]) == {"a": 2.0}
+
+
+def test_the_bar_chart_is_well_formed_svg_with_one_bar_per_value() -> None:
+    svg = ledger_bench.bar_svg("t", [("x1", 10.0), ("x2", 0.0), ("x3", 30.0)], "workers", [(20.0, "line")])
+    root = ET.fromstring(svg)  # noqa: S314 - our own output
+    bars = [e for e in root if e.tag.endswith("rect") and e.get("fill") == "#4878a8"]
+    assert len(bars) == 3
+    assert all(float(b.get("height", "-1")) >= 0 for b in bars)
