@@ -151,7 +151,12 @@ async def test_a_hole_that_opens_while_the_worker_runs_is_caught_by_the_fetch(
     worker = workers.start(STOCK_LEDGER_SESSION_TIMEOUT_MS="45000", STOCK_LEDGER_REBALANCE_TIMEOUT_MS="60000")
     await wait_drained(services, database, topic, workers.group, 120, workers)
     stored = await stored_now(database, workers.group, topic)
-    worker.signal(signal.SIGSTOP)
+
+    def frozen() -> bool:
+        worker.signal(signal.SIGSTOP)  # again if the first one has not taken effect yet
+        return process_state(worker.pid) == "T"
+
+    await eventually(frozen, 10, "the worker to be frozen", workers)
     try:
         await produce(services.kafka, topic, 2_400, seed=42, show_progress=False)
         await delete_before(services.kafka, topic, {p: stored[p] + 5 for p in HOLED})
