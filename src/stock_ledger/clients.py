@@ -18,6 +18,7 @@ import ssl
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
+import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.errors import (
@@ -32,9 +33,12 @@ from stock_ledger.config import SSLMODES, url_sslmode
 from stock_ledger.errors import ConfigError, ConnectionSecurityError
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Mapping
 
     from stock_ledger.config import Settings
+
+log = structlog.get_logger(__name__)
 
 # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, as reported in SSLCertVerificationError.verify_code.
 _HOSTNAME_MISMATCH: Final = 62
@@ -209,3 +213,17 @@ def session_name(group_id: str) -> str:
     if len(name.encode()) > 63:
         name = f"stock-ledger/{hashlib.sha256(group_id.encode()).hexdigest()[:32]}"
     return name
+
+
+def quiet_lost_session_replies(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Event-loop exception handler: one line, no stack trace, for the reply future asyncpg orphans when the server
+    ends a session in the middle of a statement (we were frozen and a claim terminated us, or the server
+    restarted). The statement that waited on it already failed and was retried on a fresh session; asyncpg then
+    fails the orphan with ConnectionDoesNotExistError and asyncio reports it as "never retrieved". Everything
+    else goes to asyncio's default handler."""
+    exc = context.get("exception")
+    if isinstance(exc, asyncpg.ConnectionDoesNotExistError) and "future" in context and "task" not in context:
+        log.info("db.orphaned_reply", error=f"{type(exc).__name__}: {exc}",
+                 detail="a session the server closed mid-statement; that statement was already retried")
+        return
+    loop.default_exception_handler(context)

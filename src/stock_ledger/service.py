@@ -25,7 +25,13 @@ from prometheus_client import CollectorRegistry
 from stock_ledger.assignment import Assignment
 from stock_ledger.batch import Batch, build_batch
 from stock_ledger.claims import Claimer
-from stock_ledger.clients import check_kafka, connect_worker, kafka_options, make_consumer
+from stock_ledger.clients import (
+    check_kafka,
+    connect_worker,
+    kafka_options,
+    make_consumer,
+    quiet_lost_session_replies,
+)
 from stock_ledger.errors import FencedError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
@@ -69,6 +75,7 @@ class Worker:
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT (see `handle_exit`); 0 on a requested stop."""
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(quiet_lost_session_replies)
         self._main = asyncio.create_task(self.run(), name="worker")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_exit, sig)

@@ -4,14 +4,18 @@ readiness. The guarantee itself is tested on the real services (tests/chaos, tes
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+import asyncpg
 import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
+from stock_ledger.clients import quiet_lost_session_replies
 from stock_ledger.config import Settings
 from stock_ledger.service import Worker
 
@@ -86,3 +90,35 @@ class TestHealth:
         w._on_fault("database", ConnectionResetError())
         assert (await w.liveness())[0]
         assert await w.readiness() == (False, "PostgreSQL not connected")
+
+
+class TestLostSessionReplies:
+    """asyncpg orphans a reply future when the server ends a session mid-statement (a frozen worker whose session
+    a claim terminated); asyncio then reports it with a stack trace although the statement was already retried."""
+
+    @staticmethod
+    def _orphan(loop: asyncio.AbstractEventLoop, exc: BaseException) -> None:
+        future = loop.create_future()
+        future.set_exception(exc)
+        del future  # never retrieved: asyncio reports it when the future is collected
+
+    async def test_an_orphaned_reply_of_a_closed_session_is_one_line(self) -> None:
+        loop = asyncio.get_running_loop()
+        default: list[dict[str, object]] = []
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(quiet_lost_session_replies)
+        try:
+            with capture_logs() as logs, pytest.MonkeyPatch.context() as mp:
+                mp.setattr(loop, "default_exception_handler", default.append)
+                lost = asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+                self._orphan(loop, lost)
+                self._orphan(loop, RuntimeError("a real bug"))
+                gc.collect()
+                await asyncio.sleep(0)
+        finally:
+            loop.set_exception_handler(previous)
+        assert [e["event"] for e in logs] == ["db.orphaned_reply"]
+        assert "exc_info" not in logs[0]
+        assert "exception" not in logs[0]
+        # Anything else still reaches asyncio's own handler, stack trace and all.
+        assert [type(c["exception"]).__name__ for c in default] == ["RuntimeError"]
