@@ -11,7 +11,10 @@ Plain synchronous state, driven by five events, so every interleaving can be tes
     reclaim(ps)         ps must be claimed again: a fetch fell outside the log, or a halted partition is rechecked
 
 `accept(fetched)` then says which fetched records may go into a batch (claimed partitions only, from the
-expected offset on) and which partitions to seek again. `committed(next_offsets)` moves the expected offsets.
+expected offset on) and which partitions to seek again. The main loop builds batch N+1 while batch N's transaction
+runs: `dispatched(next_offsets)` moves the offset the next batch starts from, `committed(next_offsets)` the offset
+the ledger holds, and `stale(slices)`, asked just before a batch's transaction, names what a fence, revocation or
+reclaim since it was built took away (its records are dropped; the next claim seeks them again).
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ if TYPE_CHECKING:
 class HasOffset(Protocol):
     @property
     def offset(self) -> int: ...
+
+
+class Slice(Protocol):
+    """One partition's part of a built batch (batch.PartitionSlice)."""
+
+    @property
+    def partition(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def first_offset(self) -> int: ...
 
 
 R = TypeVar("R", bound=HasOffset)
@@ -46,8 +60,13 @@ class Accepted(Generic[R]):
 @dataclass(slots=True)
 class _Held:
     epoch: int
-    expected: int  # the next offset we may apply
+    expected: int  # the next offset the ledger holds: where the next transaction must start
     reseeked: bool = False
+    ahead: int | None = None  # the next offset after a batch built but not yet committed: where the next build starts
+
+    @property
+    def position(self) -> int:
+        return self.expected if self.ahead is None else self.ahead
 
 
 @dataclass
@@ -104,11 +123,38 @@ class Assignment:
             self._held.pop(p, None)
             self._fenced_at.setdefault(p, now)
 
+    def dispatched(self, next_offsets: Mapping[int, int]) -> None:
+        """A batch ending at these offsets was built; the next one starts there (its transaction has not run)."""
+        for p, offset in next_offsets.items():
+            held = self._held.get(p)
+            if held is not None:
+                held.ahead = offset
+
     def committed(self, next_offsets: Mapping[int, int]) -> None:
         for p, offset in next_offsets.items():
             held = self._held.get(p)
             if held is not None:
                 held.expected, held.reseeked = offset, False
+                if held.ahead is not None and held.ahead <= offset:
+                    held.ahead = None
+
+    def stale(self, slices: Iterable[Slice]) -> tuple[set[int], dict[int, int]]:
+        """Asked under the batch lock just before a built batch's transaction: the partitions it must leave out
+        (fenced, revoked or reclaimed since it was built: no longer held, or under another epoch), and of those the
+        ones still held, with the offset to seek them back to (their records were consumed into the dropped part).
+        The offsets are not compared here: a slice starting before the stored offset is a replay, which the
+        database's guard refuses loudly (OffsetRegressionError), never something to drop quietly."""
+        drop: set[int] = set()
+        reseek: dict[int, int] = {}
+        for x in slices:
+            held = self._held.get(x.partition)
+            if held is not None and held.epoch == x.epoch:
+                continue
+            drop.add(x.partition)
+            if held is not None:
+                held.ahead = None
+                reseek[x.partition] = held.expected
+        return drop, reseek
 
     # ------------------------------------------------------------------ questions
 
@@ -133,11 +179,12 @@ class Assignment:
             held = self._held.get(p)
             if held is None or not recs:
                 continue  # revoked, fenced, halted or not yet claimed: its next claim seeks again
-            if recs[0].offset != held.expected and not held.reseeked:
+            position = held.position
+            if recs[0].offset != position and not held.reseeked:
                 held.reseeked = True
-                reseek[p] = held.expected
+                reseek[p] = position
                 continue
-            fresh = [r for r in recs if r.offset >= held.expected]
+            fresh = [r for r in recs if r.offset >= position]
             if fresh:
                 records[p] = fresh
         return Accepted(records, reseek)

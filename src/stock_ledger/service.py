@@ -70,6 +70,7 @@ class Worker:
         self._db_ok = False
         self._last_progress = time.monotonic()
         self._main: asyncio.Task[None] | None = None
+        self._in_flight: asyncio.Task[None] | None = None  # the batch transaction running while the next is built
         self._retry = Retrier(settings.retry_deadline_seconds, self.stopping, self._on_fault)
 
     async def serve(self) -> int:
@@ -160,10 +161,24 @@ class Worker:
     # ---------------------------------------------------------------- main loop
 
     async def _main_loop(self) -> None:
+        """Fetching and building batch N+1 overlaps batch N's transaction: Python work against database work, one
+        writer. A claim waits for the batch in flight; a stop lets it commit (or abandon it on a fault)."""
+        try:
+            await self._pipeline()
+        except BaseException:
+            if self._in_flight is not None:
+                self._in_flight.cancel()  # rolled back: the next owner applies it from the stored offsets
+            raise
+        await self._drain()
+
+    async def _pipeline(self) -> None:
         while not self.stopping.is_set():
             self._last_progress = time.monotonic()
+            if self._in_flight is not None and self._in_flight.done():
+                await self._drain()  # a batch that failed for good stops the worker now, not after the next fetch
             self.claimer.check_fenced_partitions()
             if self.assignment.pending or self.claimer.recheck_due():
+                await self._drain()
                 await self._retry("claiming partitions", self._claim, "claim.retry")
                 self._update_ready()
                 continue
@@ -173,11 +188,29 @@ class Worker:
             if self.ledger.faults.reached("after_read"):
                 await self.stopping.wait()
                 break
-            async with self._batch_lock:
-                batch = self._build(fetched)
-                committed = await self._apply(batch) if batch is not None else None
-            if committed:
-                await self._advisory_commit(committed)
+            batch = self._build(fetched)
+            await self._drain()
+            if batch is not None:
+                self._in_flight = asyncio.create_task(self._write(batch), name="batch")
+
+    async def _drain(self) -> None:
+        """Wait for the batch in flight, if any; its failure is ours."""
+        task, self._in_flight = self._in_flight, None
+        if task is not None:
+            await task
+
+    async def _write(self, batch: Batch) -> None:
+        """One batch's transaction, under the lock a revocation waits for. Built while the previous batch was in
+        flight, it first leaves out what a fence, revocation or reclaim took away since."""
+        async with self._batch_lock:
+            drop, reseek = self.assignment.stale(batch.slices)
+            for p, offset in reseek.items():
+                log.info("batch.reseek", partition=p, expected=offset, reason="built ahead of a batch that changed")
+                self.consumer.seek(self._tp(p), offset)
+            current = batch.without(drop) if drop else batch
+            committed = await self._apply(current) if current is not None else None
+        if committed:
+            await self._advisory_commit(committed)
 
     async def _claim(self) -> None:
         await self.claimer.claim(await self._session())
@@ -204,7 +237,9 @@ class Worker:
             self.consumer.seek(self._tp(p), offset)
         if not accepted.records:
             return None
-        return build_batch(self.settings.topic, accepted.records, self.assignment.epochs)
+        batch = build_batch(self.settings.topic, accepted.records, self.assignment.epochs)
+        self.assignment.dispatched({x.partition: x.next_offset for x in batch.slices})
+        return batch
 
     async def _apply(self, batch: Batch) -> dict[int, int] | None:
         """Run the batch transaction until it commits, is fenced away, or the retry deadline passes.
