@@ -50,7 +50,6 @@ import asyncpg
 import psutil
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from stock_ledger.batch import MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.config import Settings
@@ -59,7 +58,9 @@ from stock_ledger.produce import produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
 import localservices
-from localservices import WORKER_ROLE, free_port, script, url_for
+from localservices import Services, discover, free_port
+
+from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -74,45 +75,6 @@ _STARTED: Final = time.monotonic()
 
 def say(message: str) -> None:
     print(f"[bench {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------------ services
-
-
-@dataclass(frozen=True)
-class Services:
-    kafka: str
-    admin_url: str
-    origin: str
-    worker_password: str
-
-    def url_for(self, database: str, *, worker: bool = False) -> str:
-        if worker:
-            return url_for(self.admin_url, database, WORKER_ROLE, self.worker_password)
-        return url_for(self.admin_url, database)
-
-
-def _script(name: str, *args: str) -> str:
-    done = script(name, *args)
-    done.check_returncode()
-    return done.stdout.strip()
-
-
-def discover() -> Services:
-    """The tests' discovery: the environment if set, else the project's local Kafka and PostgreSQL."""
-    kafka, db = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("DATABASE_URL")
-    password = os.environ.get("STOCK_LEDGER_WORKER_PASSWORD", "stock_ledger_worker")
-    if kafka and db:
-        return Services(kafka, db, "environment", password)
-    if not kafka:
-        _script("kafka.sh", "start")
-    if not db:
-        _script("postgres.sh", "start")
-    return Services(kafka or "127.0.0.1:9092", db or _script("postgres.sh", "url"), "scripts", password)
-
-
-async def ensure_worker_role(services: Services) -> None:
-    await localservices.ensure_worker_role(services.admin_url, services.worker_password)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -159,49 +121,21 @@ class Bench:
 
     async def create_database(self) -> None:
         self.database = f"sl_bench_{self.run_id}"
-        await ensure_worker_role(self.services)
         await localservices.create_migrated_database(self.services.admin_url, self.database)
         say(f"database {self.database} created and migrated")
 
     async def drop_database(self) -> None:
-        if not self.database:
-            return
-        admin = await asyncpg.connect(self.services.admin_url)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        if self.database:
+            await localservices.drop_database(self.services.admin_url, self.database)
 
     async def create_topic(self, label: str) -> str:
         name = f"warehouse.movements.bench-{self.run_id}-{label}"
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(name, PARTITIONS, 1)])
-            self.topics.append(name)
-            # Producing before every partition has a leader only logs NotLeaderForPartition retries.
-            for _ in range(100):
-                described = await admin.describe_topics([name])
-                parts = described[0]["partitions"] if described and described[0]["error_code"] == 0 else []
-                if len(parts) == PARTITIONS and all(p["leader"] >= 0 for p in parts):
-                    break
-                await asyncio.sleep(0.1)
-        finally:
-            await admin.close()
-        await asyncio.sleep(0.5)
+        await localservices.create_topic(self.services.kafka, name, PARTITIONS)
+        self.topics.append(name)
         return name
 
     async def delete_topics(self) -> None:
-        if not self.topics:
-            return
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await admin.start()
-        try:
-            await admin.delete_topics(self.topics)
-        except Exception as exc:
-            say(f"could not delete the bench topics: {exc}")
-        finally:
-            await admin.close()
+        await localservices.delete_topics(self.services.kafka, self.topics)
 
     async def owner(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.owner_url)
@@ -220,13 +154,7 @@ class Bench:
         return {"postgresql": postgres, "kafka": kafka, "origin": self.services.origin}
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.services.kafka, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-            return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
-        finally:
-            await consumer.stop()
+        return await localservices.end_offsets(self.services.kafka, topic, PARTITIONS)
 
     async def produce(self, topic: str, count: int, seed: int) -> dict[str, float]:
         say(f"producing {count:,} movements to {topic}")
@@ -464,8 +392,7 @@ class Fleet:
         conn = await self.bench.owner()
         deadline = time.monotonic() + within
         try:
-            while await conn.fetchval("SELECT count(*) FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-                                      self.group, self.topic) < PARTITIONS:
+            while len(await stored_offsets(conn, self.group, self.topic)) < PARTITIONS:
                 self._check_alive()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the worker did not claim the partitions within {within:g}s")
@@ -480,10 +407,8 @@ class Fleet:
         last_say = time.monotonic()
         try:
             while True:
-                stored = {r[0]: r[1] or 0 for r in await conn.fetch(
-                    "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-                    self.group, self.topic)}
-                applied = sum(min(stored.get(p, 0), end) for p, end in ends.items())
+                stored = await stored_offsets(conn, self.group, self.topic)
+                applied = sum(min(stored.get(p) or 0, end) for p, end in ends.items())
                 now = time.perf_counter()
                 if applied and self.first_commit is None:
                     self.first_commit = now
@@ -793,10 +718,19 @@ def render(summary: dict[str, Any], opts: Options) -> str:
 
 
 def svg_chart(sweep: Sequence[dict[str, float]], limit: float) -> str:
-    """Throughput per batch size as a bar chart, with the physical limit as a line (hand-written SVG)."""
+    """Throughput per batch size, with the physical limit and the target as lines."""
+    return bar_svg("stock-ledger worker throughput per batch size (movements/s)",
+                   [(f"{int(s['batch_max_records']):,}", s["steady_rate"]) for s in sweep],
+                   "STOCK_LEDGER_BATCH_MAX_RECORDS",
+                   [(limit, "min(raw consume, raw COPY)"), (limit / 2, "target: 0.5 x that")])
+
+
+def bar_svg(title: str, bars: Sequence[tuple[str, float]], x_label: str,
+            lines: Sequence[tuple[float, str]] = ()) -> str:
+    """A hand-written bar chart (no plotting dependency): one labelled bar per value, optional reference lines."""
     width, height, left, bottom, top = 640, 360, 80, 50, 40
-    top_value = max([s["steady_rate"] for s in sweep] + [limit]) * 1.1
-    plot_h, slot = height - bottom - top, (width - left - 20) / len(sweep)
+    top_value = max([v for _, v in bars] + [v for v, _ in lines] + [1.0]) * 1.15
+    plot_h, slot = height - bottom - top, (width - left - 20) / max(1, len(bars))
 
     def y(value: float) -> float:
         return top + plot_h * (1 - value / top_value)
@@ -804,32 +738,34 @@ def svg_chart(sweep: Sequence[dict[str, float]], limit: float) -> str:
     parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              'font-size="12">'),
              f'<rect width="{width}" height="{height}" fill="white"/>',
-             (f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">stock-ledger worker throughput per '
-             'batch size (movements/s)</text>'),
+             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>',
              f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
     for i in range(5):
         value = top_value * i / 4
         parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
-    for i, s in enumerate(sweep):
+    for i, (label, value) in enumerate(bars):
         x = left + i * slot + slot * 0.2
         parts += [
-            (f'<rect x="{x:.1f}" y="{y(s["steady_rate"]):.1f}" width="{slot * 0.6:.1f}" '
-            f'height="{top + plot_h - y(s["steady_rate"]):.1f}" fill="#4878a8"/>'),
-            (f'<text x="{x + slot * 0.3:.1f}" y="{y(s["steady_rate"]) - 4:.1f}" text-anchor="middle">'
-            f'{s["steady_rate"]:,.0f}</text>'),
-            (f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
-            f'{int(s["batch_max_records"]):,}</text>'),
+            (f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{top + plot_h - y(value):.1f}" '
+            'fill="#4878a8"/>'),
+            f'<text x="{x + slot * 0.3:.1f}" y="{y(value) - 4:.1f}" text-anchor="middle">{value:,.0f}</text>',
+            f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>',
         ]
-    for value, label, dash in ((limit, "min(raw consume, raw COPY)", "6 4"), (limit / 2, "target: 0.5 x that", "2 3")):
-        parts += [
-            (f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
-            f'stroke-dasharray="{dash}"/>'),
-            f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>',
-        ]
-    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">STOCK_LEDGER_BATCH_MAX_RECORDS</text>',
-              "</svg>"]
+    for value, label in lines:
+        parts += [(f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
+                  'stroke-dasharray="6 4"/>'),
+                  f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>']
+    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>', "</svg>"]
     return "\n".join(parts) + "\n"
+
+
+def keep_partial(out: Path, measured: dict[str, Any]) -> None:
+    """A failed run keeps what it measured so far beside --out, as <stem>-partial.json."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.stem + "-partial.json")
+    partial.write_text(json.dumps(measured, indent=2, default=str) + "\n")
+    say(f"failed: what was measured so far is in {partial}")
 
 
 # ------------------------------------------------------------------------------------------------ CLI

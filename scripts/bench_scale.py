@@ -42,12 +42,13 @@ from typing import TYPE_CHECKING, Any, Final
 import asyncpg
 import psutil
 import structlog
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
 from stock_ledger.invariants import Invariants
-from stock_ledger.migrate import find_migrations_dir, migrate
+from stock_ledger.sink import stored_offsets
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
+import localservices
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -82,36 +83,14 @@ class Place:
         run = uuid.uuid4().hex[:8]
         self.database, self.topic = f"sl_scale_{run}_{self.label}", f"warehouse.movements.scale-{run}-{self.label}"
         self.group = f"scale-{run}"
-        admin = await asyncpg.connect(self.admin_url)
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await admin.close()
-        await migrate(self.owner_url, find_migrations_dir(None))
-        kafka = AIOKafkaAdminClient(bootstrap_servers=self.kafka)
-        await kafka.start()
-        try:
-            await kafka.create_topics([NewTopic(self.topic, PARTITIONS, 1)])
-        finally:
-            await kafka.close()
-        await asyncio.sleep(1)
+        await localservices.create_migrated_database(self.admin_url, self.database)
+        await localservices.create_topic(self.kafka, self.topic, PARTITIONS)
 
     async def drop(self) -> None:
         if self.database:
-            admin = await asyncpg.connect(self.admin_url)
-            try:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-            finally:
-                await admin.close()
+            await localservices.drop_database(self.admin_url, self.database)
         if self.topic:
-            kafka = AIOKafkaAdminClient(bootstrap_servers=self.kafka)
-            await kafka.start()
-            try:
-                await kafka.delete_topics([self.topic])
-            except Exception as exc:  # cleanup: say it, go on
-                say(f"could not delete {self.topic}: {exc}")
-            finally:
-                await kafka.close()
+            await localservices.delete_topics(self.kafka, [self.topic])
 
     @property
     def owner_url(self) -> str:
@@ -128,13 +107,7 @@ class Place:
         return env | extra
 
     async def end_offsets(self) -> dict[int, int]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.kafka, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
-            return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
-        finally:
-            await consumer.stop()
+        return await localservices.end_offsets(self.kafka, self.topic, PARTITIONS)
 
 
 # ------------------------------------------------------------------------------------------------ verify at scale
@@ -438,8 +411,7 @@ async def wait_claimed(place: Place, worker: subprocess.Popen[bytes]) -> None:
     conn = await asyncpg.connect(place.owner_url)
     try:
         deadline = time.monotonic() + 120
-        claimed = "SELECT count(*) FROM consumer_offsets WHERE group_id = $1"
-        while await conn.fetchval(claimed, place.group) < PARTITIONS:
+        while len(await stored_offsets(conn, place.group, place.topic)) < PARTITIONS:
             if worker.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the worker did not claim the partitions")
             await asyncio.sleep(0.2)
@@ -453,9 +425,8 @@ async def wait_drained(place: Place) -> None:
     try:
         deadline = time.monotonic() + 300
         while True:
-            stored = {r[0]: r[1] or 0 for r in await conn.fetch(
-                "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1", place.group)}
-            if all(stored.get(p, 0) >= e for p, e in ends.items()):
+            stored = await stored_offsets(conn, place.group, place.topic)
+            if all((stored.get(p) or 0) >= e for p, e in ends.items()):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError("the worker did not drain the topic within 300 s")
@@ -575,14 +546,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 async def main(argv: Sequence[str]) -> int:
-    import bench  # noqa: PLC0415 - the sibling script: service discovery and the worker role, shared
-
     args = parse_args(argv)
     # stdout is for the tables: the library's own log lines (migrations) go to stderr, warnings and above only.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    services = bench.discover()
-    await bench.ensure_worker_role(services)
+    services = localservices.discover()
+    await localservices.ensure_worker_role(services.admin_url, services.worker_password)
     urls = (services.url_for, lambda db: services.url_for(db, worker=True))
     results: dict[str, Any] = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                                         "cpus": os.cpu_count(), "argv": list(argv),

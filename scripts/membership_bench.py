@@ -40,11 +40,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, Services, discover, ensure_worker_role, free_port, say
-from localservices import create_migrated_database
+from bench import ROOT, say
+from localservices import (
+    Services,
+    create_migrated_database,
+    create_topic,
+    delete_topics,
+    discover,
+    drop_database,
+    free_port,
+)
 
 from stock_ledger.produce import produce
 
@@ -113,34 +120,16 @@ class Run:
         return f"membership-{self.mode}-{self.run_id}"
 
     async def setup(self) -> None:
-        await ensure_worker_role(self.services)
         await create_migrated_database(self.services.admin_url, self.database)
-        kafka = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await kafka.start()
-        try:
-            await kafka.create_topics([NewTopic(self.topic, self.opts.partitions, 1)])
-        finally:
-            await kafka.close()
-        await asyncio.sleep(1)
+        await create_topic(self.services.kafka, self.topic, self.opts.partitions)
 
     async def teardown(self) -> None:
         for w in self.workers:
             if w.popen.poll() is None:
                 w.popen.kill()
                 w.popen.wait(10)
-        admin = await asyncpg.connect(self.services.admin_url)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-        finally:
-            await admin.close()
-        kafka = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await kafka.start()
-        try:
-            await kafka.delete_topics([self.topic])
-        except Exception as exc:
-            say(f"could not delete topic {self.topic}: {exc}")
-        finally:
-            await kafka.close()
+        await drop_database(self.services.admin_url, self.database)
+        await delete_topics(self.services.kafka, [self.topic])
 
     def instance_id(self, slot: int) -> str | None:
         if self.mode == "dynamic":

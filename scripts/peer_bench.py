@@ -46,8 +46,8 @@ from urllib.parse import urlsplit
 import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
-from bench import ROOT, Bench, Options, discover, environment, free_port, say
-from ledger_bench import bar_svg
+from bench import ROOT, Bench, Options, bar_svg, environment, keep_partial, say
+from localservices import discover, free_port
 
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
@@ -436,11 +436,7 @@ async def measure(o: PeerOptions) -> dict[str, Any]:
         result["services"] = await bench.versions()
     except BaseException:
         bench.keep_logs = True
-        # What was measured before the failure is kept (a shared PostgreSQL restarted mid-drill once).
-        o.out.parent.mkdir(parents=True, exist_ok=True)
-        partial = o.out.with_name(o.out.stem + "-partial.json")
-        partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        say(f"failed: what was measured so far is in {partial}")
+        keep_partial(o.out, result)  # a shared PostgreSQL restarted mid-drill once
         raise
     finally:
         await bench.drop_database()
