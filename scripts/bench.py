@@ -58,7 +58,7 @@ from stock_ledger.produce import produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
 import localservices
-from localservices import Services, discover, free_port
+from localservices import Services, discover, free_port, spawn_worker, worker_env
 
 from stock_ledger.sink import stored_offsets
 
@@ -223,20 +223,11 @@ class Bench:
 
     # -------------------------------------------------------------------------------- 3. the worker
 
-    def _worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
-            "DATABASE_URL": self.worker_url,
-            "STOCK_LEDGER_TOPIC": topic,
-            "STOCK_LEDGER_GROUP_ID": group,
-            "STOCK_LEDGER_METRICS_PORT": str(free_port()),
-            "STOCK_LEDGER_LOG_FORMAT": "json",
-        })
-        if self.opts.batch_max_records:
-            env["STOCK_LEDGER_BATCH_MAX_RECORDS"] = str(self.opts.batch_max_records)
-        env.update(extra)
-        return env
+    def worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
+        size = self.opts.batch_max_records
+        batch = {"STOCK_LEDGER_BATCH_MAX_RECORDS": str(size)} if size else {}
+        return worker_env(self.services.kafka, self.worker_url, topic, group,
+                          STOCK_LEDGER_METRICS_PORT=str(free_port()), **batch, **extra)
 
     async def reset_ledger(self) -> None:
         conn = await self.owner()
@@ -368,11 +359,9 @@ class Fleet:
     def start(self, workers: int, extra_env: dict[str, str]) -> None:
         self.started = time.perf_counter()
         for i in range(workers):
-            env = self.bench._worker_env(self.topic, self.group, extra_env)  # noqa: SLF001 - one module
+            env = self.bench.worker_env(self.topic, self.group, extra_env)
             log = self.bench.logs / f"{self.label}-{i}.log"
-            with log.open("wb") as out:
-                popen = subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            popen = spawn_worker(env, log)
             self.procs.append(Proc(popen, psutil.Process(popen.pid), int(env["STOCK_LEDGER_METRICS_PORT"]), log))
         self._sampler = asyncio.create_task(self._sample())
 

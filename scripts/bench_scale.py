@@ -101,10 +101,7 @@ class Place:
         return self.worker_url_for(self.database)
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
-        env |= {"KAFKA_BOOTSTRAP_SERVERS": self.kafka, "DATABASE_URL": self.owner_url, "STOCK_LEDGER_TOPIC": self.topic,
-                "STOCK_LEDGER_GROUP_ID": self.group, "STOCK_LEDGER_LOG_FORMAT": "json"}
-        return env | extra
+        return localservices.worker_env(self.kafka, self.owner_url, self.topic, self.group, **extra)
 
     async def end_offsets(self) -> dict[int, int]:
         return await localservices.end_offsets(self.kafka, self.topic, PARTITIONS)
@@ -352,7 +349,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         port = free_port()
         env = place.env(DATABASE_URL=place.worker_url, STOCK_LEDGER_METRICS_PORT=str(port),
                         STOCK_LEDGER_LOG_LEVEL="debug", **worker_env)
-        worker = spawn([sys.executable, "-m", "stock_ledger", "run"], env, logs / "worker.log")
+        worker = localservices.spawn_worker(env, logs / "worker.log")
         await wait_claimed(place, worker)
         await asyncio.sleep(1)
         count = int(rate * 60 * minutes)
@@ -442,8 +439,7 @@ async def minute_row(minute: int, place: Place, ps: psutil.Process, before: dict
     conn = await asyncpg.connect(place.owner_url)
     try:
         db_bytes = int(await conn.fetchval("SELECT pg_database_size(current_database())"))
-        rows = int(await conn.fetchval("SELECT sum(next_offset) FROM consumer_offsets WHERE group_id = $1",
-                                       place.group) or 0)
+        rows = sum(n or 0 for n in (await stored_offsets(conn, place.group, place.topic)).values())
         checkpoints = int(await conn.fetchval("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"))
     finally:
         await conn.close()

@@ -177,6 +177,22 @@ async def end_offsets(kafka: str, topic: str, partitions: int) -> dict[int, int]
         await consumer.stop()
 
 
+def worker_env(kafka: str, database_url: str, topic: str, group: str, **extra: str) -> dict[str, str]:
+    """The environment of a `stock-ledger` process: the caller's without any STOCK_LEDGER_ setting of its own,
+    these services, topic and group, JSON logs, and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
+    env |= {"KAFKA_BOOTSTRAP_SERVERS": kafka, "DATABASE_URL": database_url, "STOCK_LEDGER_TOPIC": topic,
+            "STOCK_LEDGER_GROUP_ID": group, "STOCK_LEDGER_LOG_FORMAT": "json"}
+    return env | extra
+
+
+def spawn_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`stock-ledger run` on this interpreter, stdout and stderr to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -51,9 +51,11 @@ from localservices import (
     discover,
     drop_database,
     free_port,
+    worker_env,
 )
 
 from stock_ledger.produce import produce
+from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -139,17 +141,10 @@ class Run:
         return f"worker-{slot}-{uuid.uuid4().hex[:5]}"  # a Deployment pod's name: new on every replacement
 
     def spawn(self, slot: int) -> Worker:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
         port = free_port()
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
-            "DATABASE_URL": self.services.url_for(self.database, worker=True),
-            "STOCK_LEDGER_TOPIC": self.topic,
-            "STOCK_LEDGER_GROUP_ID": self.group,
-            "STOCK_LEDGER_METRICS_PORT": str(port),
-            "STOCK_LEDGER_LOG_FORMAT": "json",
-            "STOCK_LEDGER_SESSION_TIMEOUT_MS": str(self.opts.session_timeout_ms),
-        })
+        env = worker_env(self.services.kafka, self.services.url_for(self.database, worker=True), self.topic,
+                         self.group, STOCK_LEDGER_METRICS_PORT=str(port),
+                         STOCK_LEDGER_SESSION_TIMEOUT_MS=str(self.opts.session_timeout_ms))
         instance = self.instance_id(slot)
         if instance is not None:
             env["STOCK_LEDGER_GROUP_INSTANCE_ID"] = instance
@@ -256,12 +251,10 @@ class Sampler:
 
     async def _poll(self) -> None:
         assert self._conn is not None  # noqa: S101
-        rows = await self._conn.fetch(
-            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-            self._group, self._topic)
+        stored = await stored_offsets(self._conn, self._group, self._topic)
         now = time.monotonic()
-        for r in rows:
-            p, off = r["partition"], r["next_offset"] or 0
+        for p, next_offset in stored.items():
+            off = next_offset or 0
             prev = self._last.get(p)
             if prev is None or off != prev[0]:
                 if prev is not None:

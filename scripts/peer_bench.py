@@ -47,10 +47,11 @@ import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
 from bench import ROOT, Bench, Options, bar_svg, environment, keep_partial, say
-from localservices import discover, free_port
+from localservices import discover, free_port, spawn_worker
 
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
+from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -330,18 +331,15 @@ async def drill_ours(  # noqa: C901 - one scenario read top to bottom: spawn, ki
     popen: subprocess.Popen[bytes] | None = None
 
     def spawn(i: int) -> subprocess.Popen[bytes]:
-        env = bench._worker_env(topic, group, {})  # noqa: SLF001 - the bench's own helper
-        with (logs / f"drill-{i}.log").open("wb") as out:
-            return subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+        return spawn_worker(bench.worker_env(topic, group, {}), logs / f"drill-{i}.log")
 
     def check() -> None:
         if popen is not None and popen.poll() is not None:
             raise RuntimeError(f"the worker exited with {popen.returncode}; see {logs}")
 
     async def applied() -> int:
-        stored = await conn.fetch("SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1", group)
-        return sum(min(r[1] or 0, ends.get(r[0], 0)) for r in stored)
+        stored = await stored_offsets(conn, group, topic)
+        return sum(min(n or 0, ends.get(p, 0)) for p, n in stored.items())
 
     total = sum(ends.values())
     if total != count:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -22,7 +21,7 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from scripts.localservices import free_port, url_for
+from scripts.localservices import free_port, spawn_worker, url_for, worker_env
 
 
 @dataclass(frozen=True)
@@ -160,31 +159,20 @@ class WorkerPool:
     started: list[WorkerProcess] = field(default_factory=list)
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
-            "DATABASE_URL": self.db.worker_url,
-            "STOCK_LEDGER_TOPIC": self.topic,
-            "STOCK_LEDGER_GROUP_ID": self.group,
+        return worker_env(self.services.kafka, self.db.worker_url, self.topic, self.group, **{
             "STOCK_LEDGER_SESSION_TIMEOUT_MS": "6000",
             "STOCK_LEDGER_REBALANCE_TIMEOUT_MS": "20000",
-            "STOCK_LEDGER_LOG_FORMAT": "json",
             "STOCK_LEDGER_LOG_LEVEL": "info",
             "STOCK_LEDGER_POSITION_REFRESH_SECONDS": "1",
             "STOCK_LEDGER_INVARIANT_REFRESH_SECONDS": "2",
             "STOCK_LEDGER_RETRY_DEADLINE_SECONDS": "120",
-        })
-        env.update(extra)
-        return env
+        } | extra)
 
     def start(self, **extra: str) -> WorkerProcess:
         port = free_port()
         log = self.logs / f"worker-{len(self.started)}-{uuid.uuid4().hex[:6]}.log"
         env = self.env(STOCK_LEDGER_METRICS_PORT=str(port), **extra)
-        with log.open("wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        worker = WorkerProcess(proc, port, log, env)
+        worker = WorkerProcess(spawn_worker(env, log), port, log, env)
         self.started.append(worker)
         return worker
 
