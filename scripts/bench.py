@@ -58,7 +58,7 @@ from stock_ledger.produce import produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
 import localservices
-from localservices import Services, discover, free_port, spawn_worker, worker_env
+from localservices import Services, discover, free_port, spawn_worker, wait_until, worker_env
 
 from stock_ledger.sink import stored_offsets
 
@@ -379,13 +379,13 @@ class Fleet:
 
     async def wait_claimed(self, within: float) -> None:
         conn = await self.bench.owner()
-        deadline = time.monotonic() + within
+
+        async def claimed() -> bool:
+            return len(await stored_offsets(conn, self.group, self.topic)) >= PARTITIONS
+
         try:
-            while len(await stored_offsets(conn, self.group, self.topic)) < PARTITIONS:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the worker did not claim the partitions within {within:g}s")
-                await asyncio.sleep(0.1)
+            await wait_until(claimed, within, f"the worker did not claim the partitions within {within:g}s",
+                             check=self._check_alive)
         finally:
             await conn.close()
 

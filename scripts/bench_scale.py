@@ -406,12 +406,17 @@ def spawn(argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Pop
 
 async def wait_claimed(place: Place, worker: subprocess.Popen[bytes]) -> None:
     conn = await asyncpg.connect(place.owner_url)
+
+    async def claimed() -> bool:
+        return len(await stored_offsets(conn, place.group, place.topic)) >= PARTITIONS
+
+    def alive() -> None:
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.returncode} before claiming the partitions")
+
     try:
-        deadline = time.monotonic() + 120
-        while len(await stored_offsets(conn, place.group, place.topic)) < PARTITIONS:
-            if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the worker did not claim the partitions")
-            await asyncio.sleep(0.2)
+        await localservices.wait_until(claimed, 120, "the worker did not claim the partitions within 120 s",
+                                       check=alive, every=0.2)
     finally:
         await conn.close()
 
@@ -419,15 +424,13 @@ async def wait_claimed(place: Place, worker: subprocess.Popen[bytes]) -> None:
 async def wait_drained(place: Place) -> None:
     ends = await place.end_offsets()
     conn = await asyncpg.connect(place.owner_url)
+
+    async def drained() -> bool:
+        stored = await stored_offsets(conn, place.group, place.topic)
+        return all((stored.get(p) or 0) >= e for p, e in ends.items())
+
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            stored = await stored_offsets(conn, place.group, place.topic)
-            if all((stored.get(p) or 0) >= e for p, e in ends.items()):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError("the worker did not drain the topic within 300 s")
-            await asyncio.sleep(0.5)
+        await localservices.wait_until(drained, 300, "the worker did not drain the topic within 300 s", every=0.5)
     finally:
         await conn.close()
 

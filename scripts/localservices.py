@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_ROLE = "stock_ledger_worker"
@@ -191,6 +192,22 @@ def spawn_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
+
+
+def _nothing() -> None:
+    pass
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool]], within: float, failure: str, *,
+                     check: Callable[[], None] = _nothing, every: float = 0.1) -> None:
+    """Poll `condition` every `every` seconds until it holds; `check` between polls (a process still alive? it
+    raises if not); RuntimeError(failure) after `within` seconds."""
+    deadline = time.monotonic() + within
+    while not await condition():
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        await asyncio.sleep(every)
 
 
 def free_port() -> int:

@@ -51,6 +51,7 @@ from localservices import (
     discover,
     drop_database,
     free_port,
+    wait_until,
     worker_env,
 )
 
@@ -155,14 +156,16 @@ class Run:
         return Worker(slot, instance, popen, port, log)
 
     async def wait_ready(self, workers: Sequence[Worker], within: float = 60) -> None:
-        deadline = time.monotonic() + within
-        while not all(await asyncio.gather(*(asyncio.to_thread(w.ready) for w in workers))):
+        async def ready() -> bool:
+            return all(await asyncio.gather(*(asyncio.to_thread(w.ready) for w in workers)))
+
+        def alive() -> None:
             for w in workers:
                 if w.popen.poll() is not None:
                     raise RuntimeError(f"worker {w.log} exited with {w.popen.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers not ready within {within:g}s (logs: {[str(w.log) for w in workers]})")
-            await asyncio.sleep(0.1)
+
+        logs = [str(w.log) for w in workers]
+        await wait_until(ready, within, f"workers not ready within {within:g}s (logs: {logs})", check=alive)
 
     async def rolling_restart(self) -> list[dict[str, float]]:
         steps = []

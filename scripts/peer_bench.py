@@ -47,7 +47,7 @@ import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
 from bench import ROOT, Bench, Options, bar_svg, environment, keep_partial, say
-from localservices import discover, free_port, spawn_worker
+from localservices import discover, free_port, spawn_worker, wait_until
 
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
@@ -269,16 +269,11 @@ async def connect_drain(bench: Bench, peer: Connect, count: int, within: float) 
 
 
 async def _wait_progress(check: Callable[[], None], read: Callable[[], Awaitable[Any]], above: int,
-                         within: float) -> int:
-    deadline = time.monotonic() + within
-    while True:
-        value = int(await read())
-        if value > above:
-            return value
-        check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no progress within {within:g}s (stuck at {value:,})")
-        await asyncio.sleep(0.05)
+                         within: float) -> None:
+    async def moved() -> bool:
+        return int(await read()) > above
+
+    await wait_until(moved, within, f"no progress within {within:g}s (stuck at {above:,})", check=check, every=0.05)
 
 
 async def drill_connect(bench: Bench, peer: Connect, count: int, kills: int, rng: random.Random) -> dict[str, Any]:
