@@ -89,24 +89,29 @@ def discover() -> Services:
     return Services(kafka or local_kafka(), db or script_output("postgres.sh", "url"), "scripts")
 
 
-async def ensure_worker_role(admin_url: str, password: str = WORKER_PASSWORD) -> str:
-    """The LOGIN role the workers run as: a member of stock_ledger_app, which migrations grant exactly what the
-    worker needs. Idempotent, and safe when several processes create it at once."""
+async def ensure_login_role(admin_url: str, role: str, password: str, member_of: str) -> str:
+    """`role` as a LOGIN role with `password`, a member of the NOLOGIN role `member_of` (created if missing: the
+    migrations grant it its privileges). Idempotent, and safe when several processes create it at once."""
     conn = await asyncpg.connect(admin_url)
     try:
-        await conn.execute("""
+        await conn.execute(f"""
             DO $$ BEGIN
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
-                CREATE ROLE stock_ledger_app NOLOGIN; END IF;
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
-                CREATE ROLE stock_ledger_worker LOGIN; END IF;
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{member_of}') THEN
+                CREATE ROLE {member_of} NOLOGIN; END IF;
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;
             EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
             END $$""")
-        await conn.execute(f"ALTER ROLE {WORKER_ROLE} PASSWORD '{password}'")
-        await conn.execute(f"GRANT stock_ledger_app TO {WORKER_ROLE}")
+        await conn.execute(f"ALTER ROLE {role} PASSWORD '{password}'")
+        await conn.execute(f"GRANT {member_of} TO {role}")
     finally:
         await conn.close()
-    return WORKER_ROLE
+    return role
+
+
+async def ensure_worker_role(admin_url: str, password: str = WORKER_PASSWORD) -> str:
+    """The LOGIN role the workers run as: a member of stock_ledger_app, which migrations grant exactly what the
+    worker needs."""
+    return await ensure_login_role(admin_url, WORKER_ROLE, password, "stock_ledger_app")
 
 
 async def create_migrated_database(admin_url: str, name: str) -> str:
