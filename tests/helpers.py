@@ -21,7 +21,7 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from scripts.localservices import free_port, spawn_worker, url_for, worker_env
+from scripts.localservices import drop_database, free_port, kafka_admin, spawn_worker, url_for, worker_env
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,7 @@ async def scratch_database(services: Services) -> AsyncIterator[str]:
     try:
         yield name
     finally:
-        admin = await asyncpg.connect(services.admin_url)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await drop_database(services.admin_url, name)
 
 
 @contextlib.asynccontextmanager
@@ -78,23 +74,14 @@ async def scratch_topic(services: Services, partitions: int | None = 24, configs
     afterwards (best effort)."""
     name = f"{prefix}{uuid.uuid4().hex[:10]}"
     if partitions is not None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-        await admin.start()
-        try:
+        async with kafka_admin(services.kafka) as admin:
             await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
-        finally:
-            await admin.close()
     try:
         yield name
     finally:
-        admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-        await admin.start()
-        try:
-            await admin.delete_topics([name])
-        except Exception:  # noqa: S110 - cleanup of a test topic is best effort
-            pass
-        finally:
-            await admin.close()
+        with contextlib.suppress(Exception):  # cleanup of a test topic is best effort
+            async with kafka_admin(services.kafka) as admin:
+                await admin.delete_topics([name])
 
 
 
