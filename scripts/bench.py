@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -57,13 +56,15 @@ from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
+import bench_scale
 import localservices
+from bench_scale import E2E, buckets, commit_times, percentile, scrape
 from localservices import Services, discover, free_port, spawn_worker, wait_until, worker_env
 
 from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Iterable, Sequence
+    from collections.abc import Callable, Coroutine, Sequence
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
@@ -353,7 +354,7 @@ class Fleet:
     started: float = 0.0
     first_commit: float | None = None
     drained: float = 0.0
-    metrics_text: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
     _sampler: asyncio.Task[None] | None = None
 
     def start(self, workers: int, extra_env: dict[str, str]) -> None:
@@ -414,13 +415,6 @@ class Fleet:
         finally:
             await conn.close()
 
-    def _scrape(self) -> str:
-        port = self.procs[0].port
-        with contextlib.suppress(OSError), urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            return str(response.read().decode())
-        return ""
-
     async def stop(self) -> None:
         for p in self.procs:
             p.sample()
@@ -428,7 +422,8 @@ class Fleet:
             self._sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sampler
-        self.metrics_text = await asyncio.to_thread(self._scrape)
+        with contextlib.suppress(OSError):
+            self.metrics = await asyncio.to_thread(scrape, self.procs[0].port)
         for p in self.procs:
             p.popen.send_signal(signal.SIGTERM)
         for p in self.procs:
@@ -474,40 +469,6 @@ class Fleet:
 # ------------------------------------------------------------------------------------------------ latency
 
 
-def _commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]]]:
-    """partition -> (last offsets, commit times) of each committed batch, from the worker's debug log."""
-    spans: dict[int, list[tuple[int, float]]] = {}
-    for log in logs:
-        for line in log.read_text(errors="replace").splitlines():
-            if '"batch.committed"' not in line:
-                continue
-            event = json.loads(line)
-            at = datetime.fromisoformat(event["timestamp"]).timestamp()
-            for partition, (_first, last, _epoch) in event.get("batch", {}).items():
-                spans.setdefault(int(partition), []).append((int(last), at))
-    return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
-    """The upper bound of the bucket holding quantile q of a Prometheus histogram (None if absent)."""
-    buckets: list[tuple[float, float]] = []
-    for line in metrics_text.splitlines():
-        if line.startswith(f"{name}_bucket{{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    total = buckets[-1][1]
-    return next(le for le, n in sorted(buckets) if n >= q * total)
-
-
 async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     """produce -> commit per row: the batch's commit time (its `batch.committed` log line) minus the record's
     Kafka timestamp (CreateTime, stamped by the producer when it accepted the record). Also from applied_at
@@ -519,7 +480,7 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
                    extract(epoch FROM applied_at)::float8 FROM stock_movements""")
     finally:
         await conn.close()
-    commits = _commit_times(p.log for p in fleet.procs)
+    commits = commit_times(p.log for p in fleet.procs)
     to_commit: list[float] = []
     to_txn_start = [1000 * (r[3] - r[2]) for r in rows]
     for partition, offset, kafka_ts, _ in rows:
@@ -530,15 +491,17 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     if len(to_commit) != len(rows):
         say(f"latency: {len(rows) - len(to_commit)} rows without a batch.committed line; using applied_at")
         to_commit = to_txn_start
-    e2e = "stock_ledger_end_to_end_latency_seconds"
-    hist99 = histogram_quantile(fleet.metrics_text, e2e, 0.99)
+    # The worker's own view: the upper bound of the histogram bucket that holds its p99.
+    cumulative = buckets(fleet.metrics, E2E)
+    total = cumulative[-1][1] if cumulative else 0.0
+    hist99 = next(le for le, n in cumulative if n >= 0.99 * total) if total else None
     return {
         "latency_rows": float(len(rows)),
-        "latency_p50_ms": percentile(to_commit, 50),
-        "latency_p99_ms": percentile(to_commit, 99),
+        "latency_p50_ms": percentile(to_commit, 0.5),
+        "latency_p99_ms": percentile(to_commit, 0.99),
         "latency_max_ms": max(to_commit, default=float("nan")),
-        "latency_txn_start_p50_ms": percentile(to_txn_start, 50),
-        "latency_txn_start_p99_ms": percentile(to_txn_start, 99),
+        "latency_txn_start_p50_ms": percentile(to_txn_start, 0.5),
+        "latency_txn_start_p99_ms": percentile(to_txn_start, 0.99),
         "latency_histogram_p99_le_ms": 1000 * hist99 if hist99 is not None else float("nan"),
         "latency_peak_rss_mib": fleet.summary(max(1, len(rows)))["peak_rss_mib"],
     }
@@ -824,8 +787,6 @@ async def main(opts: Options) -> int:
 def run() -> int:
     # The ledger at scale (verify at N movements, the invariant checks, a soak) lives in bench_scale.py.
     if any(a.split("=", 1)[0] in {"--soak", "--verify-sizes"} for a in sys.argv[1:]):
-        import bench_scale  # noqa: PLC0415 - beside this script, on sys.path
-
         return bench_scale.run(sys.argv[1:])
     # `bench.py --peer connect [peer options]`: Kafka Connect side by side, in scripts/peer_bench.py (its own flags).
     if sys.argv[1:2] == ["--peer"] or any(a.startswith("--peer=") for a in sys.argv[1:2]):

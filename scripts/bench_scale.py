@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness,
 import localservices
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
@@ -323,22 +323,39 @@ def share_under(cumulative: Sequence[tuple[float, float]], bound: float) -> floa
     return next((n / total for le, n in cumulative if le == bound), float("nan")) if total else float("nan")
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank value at quantile q (0 to 1); NaN for no values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
 def exact_percentiles(values: array[float]) -> dict[str, float]:
     ordered = sorted(values)
     if not ordered:
         return {"rows": 0}
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-    return {"rows": len(ordered), "p50_ms": at(0.5), "p95_ms": at(0.95), "p99_ms": at(0.99), "max_ms": ordered[-1],
+    return {"rows": len(ordered), "p50_ms": percentile(ordered, 0.5), "p95_ms": percentile(ordered, 0.95),
+            "p99_ms": percentile(ordered, 0.99), "max_ms": ordered[-1],
             "under_50ms": sum(1 for v in ordered if v <= 50) / len(ordered)}
+
+
+def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]]]:
+    """partition -> (last offsets, commit times) of each committed batch, from the worker's debug log."""
+    spans: dict[int, list[tuple[int, float]]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if '"batch.committed"' not in line:
+                continue
+            event = json.loads(line)
+            at = datetime.fromisoformat(event["timestamp"]).timestamp()
+            for partition, (_first, last, _epoch) in event.get("batch", {}).items():
+                spans.setdefault(int(partition), []).append((int(last), at))
+    return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
+
+
 
 
 async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],  # noqa: PLR0913, PLR0917 - the CLI's flags
                minutes: float, rate: int, worker_env: dict[str, str]) -> dict[str, Any]:
-    from bench import _commit_times, free_port  # noqa: PLC0415 - the sibling script, on sys.path beside this one
-
     place = Place(kafka, admin_url, urls[1], urls[0], "soak")
     logs = Path(tempfile.mkdtemp(prefix="stock-ledger-soak-"))
     worker: subprocess.Popen[bytes] | None = None
@@ -346,7 +363,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
     per_minute: list[dict[str, Any]] = []
     try:
         await place.create()
-        port = free_port()
+        port = localservices.free_port()
         env = place.env(DATABASE_URL=place.worker_url, STOCK_LEDGER_METRICS_PORT=str(port),
                         STOCK_LEDGER_LOG_LEVEL="debug", **worker_env)
         worker = localservices.spawn_worker(env, logs / "worker.log")
@@ -375,7 +392,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         rss_end = ps.memory_info().rss / MIB
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
-        exact = await exact_latency(place, _commit_times([logs / "worker.log"]))
+        exact = await exact_latency(place, commit_times([logs / "worker.log"]))
         for row in per_minute:
             row["exact"] = exact.get(row["minute"], {"rows": 0})
         verified = await verify_measured(place, logs)
