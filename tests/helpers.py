@@ -52,6 +52,19 @@ class Env:
     name: str
 
 
+async def insert_foreign_row(owner_url: str, topic: str, partition: int, offset: int) -> None:
+    """A stock_movements row at these coordinates that no batch wrote (as the owner): a later batch that brings
+    the same coordinates must collide with it."""
+    owner = await asyncpg.connect(owner_url)
+    try:
+        await owner.execute(
+            "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
+            "kafka_partition, kafka_offset) VALUES ($1, 'WH-1', 'SKU-1', 1, 'receipt', now(), $2, $3, $4)",
+            uuid.uuid4(), topic, partition, offset)
+    finally:
+        await owner.close()
+
+
 @contextlib.asynccontextmanager
 async def scratch_database(services: Services) -> AsyncIterator[str]:
     """A new, empty database (its name), dropped afterwards."""
