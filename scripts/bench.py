@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -50,7 +49,6 @@ import asyncpg
 import psutil
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from stock_ledger.batch import MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.config import Settings
@@ -58,11 +56,15 @@ from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
+import bench_scale
 import localservices
-from localservices import WORKER_ROLE, free_port, script, url_for
+from bench_scale import E2E, buckets, commit_times, percentile, scrape
+from localservices import Services, discover, free_port, spawn_worker, wait_until, worker_env
+
+from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Iterable, Sequence
+    from collections.abc import Callable, Coroutine, Sequence
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
@@ -74,45 +76,6 @@ _STARTED: Final = time.monotonic()
 
 def say(message: str) -> None:
     print(f"[bench {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------------ services
-
-
-@dataclass(frozen=True)
-class Services:
-    kafka: str
-    admin_url: str
-    origin: str
-    worker_password: str
-
-    def url_for(self, database: str, *, worker: bool = False) -> str:
-        if worker:
-            return url_for(self.admin_url, database, WORKER_ROLE, self.worker_password)
-        return url_for(self.admin_url, database)
-
-
-def _script(name: str, *args: str) -> str:
-    done = script(name, *args)
-    done.check_returncode()
-    return done.stdout.strip()
-
-
-def discover() -> Services:
-    """The tests' discovery: the environment if set, else the project's local Kafka and PostgreSQL."""
-    kafka, db = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("DATABASE_URL")
-    password = os.environ.get("STOCK_LEDGER_WORKER_PASSWORD", "stock_ledger_worker")
-    if kafka and db:
-        return Services(kafka, db, "environment", password)
-    if not kafka:
-        _script("kafka.sh", "start")
-    if not db:
-        _script("postgres.sh", "start")
-    return Services(kafka or "127.0.0.1:9092", db or _script("postgres.sh", "url"), "scripts", password)
-
-
-async def ensure_worker_role(services: Services) -> None:
-    await localservices.ensure_worker_role(services.admin_url, services.worker_password)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -159,49 +122,21 @@ class Bench:
 
     async def create_database(self) -> None:
         self.database = f"sl_bench_{self.run_id}"
-        await ensure_worker_role(self.services)
         await localservices.create_migrated_database(self.services.admin_url, self.database)
         say(f"database {self.database} created and migrated")
 
     async def drop_database(self) -> None:
-        if not self.database:
-            return
-        admin = await asyncpg.connect(self.services.admin_url)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        if self.database:
+            await localservices.drop_database(self.services.admin_url, self.database)
 
     async def create_topic(self, label: str) -> str:
         name = f"warehouse.movements.bench-{self.run_id}-{label}"
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(name, PARTITIONS, 1)])
-            self.topics.append(name)
-            # Producing before every partition has a leader only logs NotLeaderForPartition retries.
-            for _ in range(100):
-                described = await admin.describe_topics([name])
-                parts = described[0]["partitions"] if described and described[0]["error_code"] == 0 else []
-                if len(parts) == PARTITIONS and all(p["leader"] >= 0 for p in parts):
-                    break
-                await asyncio.sleep(0.1)
-        finally:
-            await admin.close()
-        await asyncio.sleep(0.5)
+        await localservices.create_topic(self.services.kafka, name, PARTITIONS)
+        self.topics.append(name)
         return name
 
     async def delete_topics(self) -> None:
-        if not self.topics:
-            return
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await admin.start()
-        try:
-            await admin.delete_topics(self.topics)
-        except Exception as exc:
-            say(f"could not delete the bench topics: {exc}")
-        finally:
-            await admin.close()
+        await localservices.delete_topics(self.services.kafka, self.topics)
 
     async def owner(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.owner_url)
@@ -220,13 +155,7 @@ class Bench:
         return {"postgresql": postgres, "kafka": kafka, "origin": self.services.origin}
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.services.kafka, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-            return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
-        finally:
-            await consumer.stop()
+        return await localservices.end_offsets(self.services.kafka, topic, PARTITIONS)
 
     async def produce(self, topic: str, count: int, seed: int) -> dict[str, float]:
         say(f"producing {count:,} movements to {topic}")
@@ -295,20 +224,11 @@ class Bench:
 
     # -------------------------------------------------------------------------------- 3. the worker
 
-    def _worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
-            "DATABASE_URL": self.worker_url,
-            "STOCK_LEDGER_TOPIC": topic,
-            "STOCK_LEDGER_GROUP_ID": group,
-            "STOCK_LEDGER_METRICS_PORT": str(free_port()),
-            "STOCK_LEDGER_LOG_FORMAT": "json",
-        })
-        if self.opts.batch_max_records:
-            env["STOCK_LEDGER_BATCH_MAX_RECORDS"] = str(self.opts.batch_max_records)
-        env.update(extra)
-        return env
+    def worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
+        size = self.opts.batch_max_records
+        batch = {"STOCK_LEDGER_BATCH_MAX_RECORDS": str(size)} if size else {}
+        return worker_env(self.services.kafka, self.worker_url, topic, group,
+                          STOCK_LEDGER_METRICS_PORT=str(free_port()), **batch, **extra)
 
     async def reset_ledger(self) -> None:
         conn = await self.owner()
@@ -434,17 +354,15 @@ class Fleet:
     started: float = 0.0
     first_commit: float | None = None
     drained: float = 0.0
-    metrics_text: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
     _sampler: asyncio.Task[None] | None = None
 
     def start(self, workers: int, extra_env: dict[str, str]) -> None:
         self.started = time.perf_counter()
         for i in range(workers):
-            env = self.bench._worker_env(self.topic, self.group, extra_env)  # noqa: SLF001 - one module
+            env = self.bench.worker_env(self.topic, self.group, extra_env)
             log = self.bench.logs / f"{self.label}-{i}.log"
-            with log.open("wb") as out:
-                popen = subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            popen = spawn_worker(env, log)
             self.procs.append(Proc(popen, psutil.Process(popen.pid), int(env["STOCK_LEDGER_METRICS_PORT"]), log))
         self._sampler = asyncio.create_task(self._sample())
 
@@ -462,14 +380,13 @@ class Fleet:
 
     async def wait_claimed(self, within: float) -> None:
         conn = await self.bench.owner()
-        deadline = time.monotonic() + within
+
+        async def claimed() -> bool:
+            return len(await stored_offsets(conn, self.group, self.topic)) >= PARTITIONS
+
         try:
-            while await conn.fetchval("SELECT count(*) FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-                                      self.group, self.topic) < PARTITIONS:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the worker did not claim the partitions within {within:g}s")
-                await asyncio.sleep(0.1)
+            await wait_until(claimed, within, f"the worker did not claim the partitions within {within:g}s",
+                             check=self._check_alive)
         finally:
             await conn.close()
 
@@ -480,10 +397,8 @@ class Fleet:
         last_say = time.monotonic()
         try:
             while True:
-                stored = {r[0]: r[1] or 0 for r in await conn.fetch(
-                    "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-                    self.group, self.topic)}
-                applied = sum(min(stored.get(p, 0), end) for p, end in ends.items())
+                stored = await stored_offsets(conn, self.group, self.topic)
+                applied = sum(min(stored.get(p) or 0, end) for p, end in ends.items())
                 now = time.perf_counter()
                 if applied and self.first_commit is None:
                     self.first_commit = now
@@ -500,13 +415,6 @@ class Fleet:
         finally:
             await conn.close()
 
-    def _scrape(self) -> str:
-        port = self.procs[0].port
-        with contextlib.suppress(OSError), urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            return str(response.read().decode())
-        return ""
-
     async def stop(self) -> None:
         for p in self.procs:
             p.sample()
@@ -514,7 +422,8 @@ class Fleet:
             self._sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sampler
-        self.metrics_text = await asyncio.to_thread(self._scrape)
+        with contextlib.suppress(OSError):
+            self.metrics = await asyncio.to_thread(scrape, self.procs[0].port)
         for p in self.procs:
             p.popen.send_signal(signal.SIGTERM)
         for p in self.procs:
@@ -560,40 +469,6 @@ class Fleet:
 # ------------------------------------------------------------------------------------------------ latency
 
 
-def _commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]]]:
-    """partition -> (last offsets, commit times) of each committed batch, from the worker's debug log."""
-    spans: dict[int, list[tuple[int, float]]] = {}
-    for log in logs:
-        for line in log.read_text(errors="replace").splitlines():
-            if '"batch.committed"' not in line:
-                continue
-            event = json.loads(line)
-            at = datetime.fromisoformat(event["timestamp"]).timestamp()
-            for partition, (_first, last, _epoch) in event.get("batch", {}).items():
-                spans.setdefault(int(partition), []).append((int(last), at))
-    return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
-    """The upper bound of the bucket holding quantile q of a Prometheus histogram (None if absent)."""
-    buckets: list[tuple[float, float]] = []
-    for line in metrics_text.splitlines():
-        if line.startswith(f"{name}_bucket{{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    total = buckets[-1][1]
-    return next(le for le, n in sorted(buckets) if n >= q * total)
-
-
 async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     """produce -> commit per row: the batch's commit time (its `batch.committed` log line) minus the record's
     Kafka timestamp (CreateTime, stamped by the producer when it accepted the record). Also from applied_at
@@ -605,7 +480,7 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
                    extract(epoch FROM applied_at)::float8 FROM stock_movements""")
     finally:
         await conn.close()
-    commits = _commit_times(p.log for p in fleet.procs)
+    commits = commit_times(p.log for p in fleet.procs)
     to_commit: list[float] = []
     to_txn_start = [1000 * (r[3] - r[2]) for r in rows]
     for partition, offset, kafka_ts, _ in rows:
@@ -616,15 +491,17 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     if len(to_commit) != len(rows):
         say(f"latency: {len(rows) - len(to_commit)} rows without a batch.committed line; using applied_at")
         to_commit = to_txn_start
-    e2e = "stock_ledger_end_to_end_latency_seconds"
-    hist99 = histogram_quantile(fleet.metrics_text, e2e, 0.99)
+    # The worker's own view: the upper bound of the histogram bucket that holds its p99.
+    cumulative = buckets(fleet.metrics, E2E)
+    total = cumulative[-1][1] if cumulative else 0.0
+    hist99 = next(le for le, n in cumulative if n >= 0.99 * total) if total else None
     return {
         "latency_rows": float(len(rows)),
-        "latency_p50_ms": percentile(to_commit, 50),
-        "latency_p99_ms": percentile(to_commit, 99),
+        "latency_p50_ms": percentile(to_commit, 0.5),
+        "latency_p99_ms": percentile(to_commit, 0.99),
         "latency_max_ms": max(to_commit, default=float("nan")),
-        "latency_txn_start_p50_ms": percentile(to_txn_start, 50),
-        "latency_txn_start_p99_ms": percentile(to_txn_start, 99),
+        "latency_txn_start_p50_ms": percentile(to_txn_start, 0.5),
+        "latency_txn_start_p99_ms": percentile(to_txn_start, 0.99),
         "latency_histogram_p99_le_ms": 1000 * hist99 if hist99 is not None else float("nan"),
         "latency_peak_rss_mib": fleet.summary(max(1, len(rows)))["peak_rss_mib"],
     }
@@ -793,10 +670,19 @@ def render(summary: dict[str, Any], opts: Options) -> str:
 
 
 def svg_chart(sweep: Sequence[dict[str, float]], limit: float) -> str:
-    """Throughput per batch size as a bar chart, with the physical limit as a line (hand-written SVG)."""
+    """Throughput per batch size, with the physical limit and the target as lines."""
+    return bar_svg("stock-ledger worker throughput per batch size (movements/s)",
+                   [(f"{int(s['batch_max_records']):,}", s["steady_rate"]) for s in sweep],
+                   "STOCK_LEDGER_BATCH_MAX_RECORDS",
+                   [(limit, "min(raw consume, raw COPY)"), (limit / 2, "target: 0.5 x that")])
+
+
+def bar_svg(title: str, bars: Sequence[tuple[str, float]], x_label: str,
+            lines: Sequence[tuple[float, str]] = ()) -> str:
+    """A hand-written bar chart (no plotting dependency): one labelled bar per value, optional reference lines."""
     width, height, left, bottom, top = 640, 360, 80, 50, 40
-    top_value = max([s["steady_rate"] for s in sweep] + [limit]) * 1.1
-    plot_h, slot = height - bottom - top, (width - left - 20) / len(sweep)
+    top_value = max([v for _, v in bars] + [v for v, _ in lines] + [1.0]) * 1.15
+    plot_h, slot = height - bottom - top, (width - left - 20) / max(1, len(bars))
 
     def y(value: float) -> float:
         return top + plot_h * (1 - value / top_value)
@@ -804,32 +690,34 @@ def svg_chart(sweep: Sequence[dict[str, float]], limit: float) -> str:
     parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              'font-size="12">'),
              f'<rect width="{width}" height="{height}" fill="white"/>',
-             (f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">stock-ledger worker throughput per '
-             'batch size (movements/s)</text>'),
+             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>',
              f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
     for i in range(5):
         value = top_value * i / 4
         parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
-    for i, s in enumerate(sweep):
+    for i, (label, value) in enumerate(bars):
         x = left + i * slot + slot * 0.2
         parts += [
-            (f'<rect x="{x:.1f}" y="{y(s["steady_rate"]):.1f}" width="{slot * 0.6:.1f}" '
-            f'height="{top + plot_h - y(s["steady_rate"]):.1f}" fill="#4878a8"/>'),
-            (f'<text x="{x + slot * 0.3:.1f}" y="{y(s["steady_rate"]) - 4:.1f}" text-anchor="middle">'
-            f'{s["steady_rate"]:,.0f}</text>'),
-            (f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
-            f'{int(s["batch_max_records"]):,}</text>'),
+            (f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{top + plot_h - y(value):.1f}" '
+            'fill="#4878a8"/>'),
+            f'<text x="{x + slot * 0.3:.1f}" y="{y(value) - 4:.1f}" text-anchor="middle">{value:,.0f}</text>',
+            f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>',
         ]
-    for value, label, dash in ((limit, "min(raw consume, raw COPY)", "6 4"), (limit / 2, "target: 0.5 x that", "2 3")):
-        parts += [
-            (f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
-            f'stroke-dasharray="{dash}"/>'),
-            f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>',
-        ]
-    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">STOCK_LEDGER_BATCH_MAX_RECORDS</text>',
-              "</svg>"]
+    for value, label in lines:
+        parts += [(f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
+                  'stroke-dasharray="6 4"/>'),
+                  f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>']
+    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>', "</svg>"]
     return "\n".join(parts) + "\n"
+
+
+def keep_partial(out: Path, measured: dict[str, Any]) -> None:
+    """A failed run keeps what it measured so far beside --out, as <stem>-partial.json."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.stem + "-partial.json")
+    partial.write_text(json.dumps(measured, indent=2, default=str) + "\n")
+    say(f"failed: what was measured so far is in {partial}")
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -899,8 +787,6 @@ async def main(opts: Options) -> int:
 def run() -> int:
     # The ledger at scale (verify at N movements, the invariant checks, a soak) lives in bench_scale.py.
     if any(a.split("=", 1)[0] in {"--soak", "--verify-sizes"} for a in sys.argv[1:]):
-        import bench_scale  # noqa: PLC0415 - beside this script, on sys.path
-
         return bench_scale.run(sys.argv[1:])
     # `bench.py --peer connect [peer options]`: Kafka Connect side by side, in scripts/peer_bench.py (its own flags).
     if sys.argv[1:2] == ["--peer"] or any(a.startswith("--peer=") for a in sys.argv[1:2]):

@@ -42,15 +42,16 @@ from typing import TYPE_CHECKING, Any, Final
 import asyncpg
 import psutil
 import structlog
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
 from stock_ledger.invariants import Invariants
-from stock_ledger.migrate import find_migrations_dir, migrate
+from stock_ledger.sink import stored_offsets
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
+import localservices
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
@@ -82,36 +83,14 @@ class Place:
         run = uuid.uuid4().hex[:8]
         self.database, self.topic = f"sl_scale_{run}_{self.label}", f"warehouse.movements.scale-{run}-{self.label}"
         self.group = f"scale-{run}"
-        admin = await asyncpg.connect(self.admin_url)
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await admin.close()
-        await migrate(self.owner_url, find_migrations_dir(None))
-        kafka = AIOKafkaAdminClient(bootstrap_servers=self.kafka)
-        await kafka.start()
-        try:
-            await kafka.create_topics([NewTopic(self.topic, PARTITIONS, 1)])
-        finally:
-            await kafka.close()
-        await asyncio.sleep(1)
+        await localservices.create_migrated_database(self.admin_url, self.database)
+        await localservices.create_topic(self.kafka, self.topic, PARTITIONS)
 
     async def drop(self) -> None:
         if self.database:
-            admin = await asyncpg.connect(self.admin_url)
-            try:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-            finally:
-                await admin.close()
+            await localservices.drop_database(self.admin_url, self.database)
         if self.topic:
-            kafka = AIOKafkaAdminClient(bootstrap_servers=self.kafka)
-            await kafka.start()
-            try:
-                await kafka.delete_topics([self.topic])
-            except Exception as exc:  # cleanup: say it, go on
-                say(f"could not delete {self.topic}: {exc}")
-            finally:
-                await kafka.close()
+            await localservices.delete_topics(self.kafka, [self.topic])
 
     @property
     def owner_url(self) -> str:
@@ -122,19 +101,10 @@ class Place:
         return self.worker_url_for(self.database)
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
-        env |= {"KAFKA_BOOTSTRAP_SERVERS": self.kafka, "DATABASE_URL": self.owner_url, "STOCK_LEDGER_TOPIC": self.topic,
-                "STOCK_LEDGER_GROUP_ID": self.group, "STOCK_LEDGER_LOG_FORMAT": "json"}
-        return env | extra
+        return localservices.worker_env(self.kafka, self.owner_url, self.topic, self.group, **extra)
 
     async def end_offsets(self) -> dict[int, int]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.kafka, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
-            return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
-        finally:
-            await consumer.stop()
+        return await localservices.end_offsets(self.kafka, self.topic, PARTITIONS)
 
 
 # ------------------------------------------------------------------------------------------------ verify at scale
@@ -353,22 +323,39 @@ def share_under(cumulative: Sequence[tuple[float, float]], bound: float) -> floa
     return next((n / total for le, n in cumulative if le == bound), float("nan")) if total else float("nan")
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank value at quantile q (0 to 1); NaN for no values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
 def exact_percentiles(values: array[float]) -> dict[str, float]:
     ordered = sorted(values)
     if not ordered:
         return {"rows": 0}
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-    return {"rows": len(ordered), "p50_ms": at(0.5), "p95_ms": at(0.95), "p99_ms": at(0.99), "max_ms": ordered[-1],
+    return {"rows": len(ordered), "p50_ms": percentile(ordered, 0.5), "p95_ms": percentile(ordered, 0.95),
+            "p99_ms": percentile(ordered, 0.99), "max_ms": ordered[-1],
             "under_50ms": sum(1 for v in ordered if v <= 50) / len(ordered)}
+
+
+def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]]]:
+    """partition -> (last offsets, commit times) of each committed batch, from the worker's debug log."""
+    spans: dict[int, list[tuple[int, float]]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if '"batch.committed"' not in line:
+                continue
+            event = json.loads(line)
+            at = datetime.fromisoformat(event["timestamp"]).timestamp()
+            for partition, (_first, last, _epoch) in event.get("batch", {}).items():
+                spans.setdefault(int(partition), []).append((int(last), at))
+    return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
+
+
 
 
 async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],  # noqa: PLR0913, PLR0917 - the CLI's flags
                minutes: float, rate: int, worker_env: dict[str, str]) -> dict[str, Any]:
-    from bench import _commit_times, free_port  # noqa: PLC0415 - the sibling script, on sys.path beside this one
-
     place = Place(kafka, admin_url, urls[1], urls[0], "soak")
     logs = Path(tempfile.mkdtemp(prefix="stock-ledger-soak-"))
     worker: subprocess.Popen[bytes] | None = None
@@ -376,10 +363,10 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
     per_minute: list[dict[str, Any]] = []
     try:
         await place.create()
-        port = free_port()
+        port = localservices.free_port()
         env = place.env(DATABASE_URL=place.worker_url, STOCK_LEDGER_METRICS_PORT=str(port),
                         STOCK_LEDGER_LOG_LEVEL="debug", **worker_env)
-        worker = spawn([sys.executable, "-m", "stock_ledger", "run"], env, logs / "worker.log")
+        worker = localservices.spawn_worker(env, logs / "worker.log")
         await wait_claimed(place, worker)
         await asyncio.sleep(1)
         count = int(rate * 60 * minutes)
@@ -405,7 +392,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         rss_end = ps.memory_info().rss / MIB
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
-        exact = await exact_latency(place, _commit_times([logs / "worker.log"]))
+        exact = await exact_latency(place, commit_times([logs / "worker.log"]))
         for row in per_minute:
             row["exact"] = exact.get(row["minute"], {"rows": 0})
         verified = await verify_measured(place, logs)
@@ -436,13 +423,17 @@ def spawn(argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Pop
 
 async def wait_claimed(place: Place, worker: subprocess.Popen[bytes]) -> None:
     conn = await asyncpg.connect(place.owner_url)
+
+    async def claimed() -> bool:
+        return len(await stored_offsets(conn, place.group, place.topic)) >= PARTITIONS
+
+    def alive() -> None:
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.returncode} before claiming the partitions")
+
     try:
-        deadline = time.monotonic() + 120
-        claimed = "SELECT count(*) FROM consumer_offsets WHERE group_id = $1"
-        while await conn.fetchval(claimed, place.group) < PARTITIONS:
-            if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the worker did not claim the partitions")
-            await asyncio.sleep(0.2)
+        await localservices.wait_until(claimed, 120, "the worker did not claim the partitions within 120 s",
+                                       check=alive, every=0.2)
     finally:
         await conn.close()
 
@@ -450,16 +441,13 @@ async def wait_claimed(place: Place, worker: subprocess.Popen[bytes]) -> None:
 async def wait_drained(place: Place) -> None:
     ends = await place.end_offsets()
     conn = await asyncpg.connect(place.owner_url)
+
+    async def drained() -> bool:
+        stored = await stored_offsets(conn, place.group, place.topic)
+        return all((stored.get(p) or 0) >= e for p, e in ends.items())
+
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            stored = {r[0]: r[1] or 0 for r in await conn.fetch(
-                "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1", place.group)}
-            if all(stored.get(p, 0) >= e for p, e in ends.items()):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError("the worker did not drain the topic within 300 s")
-            await asyncio.sleep(0.5)
+        await localservices.wait_until(drained, 300, "the worker did not drain the topic within 300 s", every=0.5)
     finally:
         await conn.close()
 
@@ -471,8 +459,7 @@ async def minute_row(minute: int, place: Place, ps: psutil.Process, before: dict
     conn = await asyncpg.connect(place.owner_url)
     try:
         db_bytes = int(await conn.fetchval("SELECT pg_database_size(current_database())"))
-        rows = int(await conn.fetchval("SELECT sum(next_offset) FROM consumer_offsets WHERE group_id = $1",
-                                       place.group) or 0)
+        rows = sum(n or 0 for n in (await stored_offsets(conn, place.group, place.topic)).values())
         checkpoints = int(await conn.fetchval("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"))
     finally:
         await conn.close()
@@ -575,14 +562,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 async def main(argv: Sequence[str]) -> int:
-    import bench  # noqa: PLC0415 - the sibling script: service discovery and the worker role, shared
-
     args = parse_args(argv)
     # stdout is for the tables: the library's own log lines (migrations) go to stderr, warnings and above only.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    services = bench.discover()
-    await bench.ensure_worker_role(services)
+    services = localservices.discover()
+    await localservices.ensure_worker_role(services.admin_url, services.worker_password)
     urls = (services.url_for, lambda db: services.url_for(db, worker=True))
     results: dict[str, Any] = {"meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                                         "cpus": os.cpu_count(), "argv": list(argv),

@@ -41,10 +41,9 @@ import asyncpg
 
 from stock_ledger import sink, stock
 from stock_ledger.config import Settings
-from stock_ledger.migrate import migrate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
-from localservices import script, url_for
+from localservices import create_migrated_database, drop_database, script_output, url_for
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -66,31 +65,13 @@ def say(message: str) -> None:
 
 
 def admin_url() -> str:
-    if url := os.environ.get("DATABASE_URL"):
-        return url
-    done = script("postgres.sh", "url")
-    done.check_returncode()
-    return done.stdout.strip()
+    return os.environ.get("DATABASE_URL") or script_output("postgres.sh", "url")
 
 
 async def scratch_database(admin: str, label: str) -> tuple[str, str]:
+    """A new migrated database for one measurement: its name and owner URL."""
     name = f"bench_signals_{label}_{uuid.uuid4().hex[:8]}"
-    conn = await asyncpg.connect(admin)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    url = url_for(admin, name)
-    await migrate(url, ROOT / "migrations")
-    return name, url
-
-
-async def drop_database(admin: str, name: str) -> None:
-    conn = await asyncpg.connect(admin)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
+    return name, await create_migrated_database(admin, name)
 
 
 def movement_rows(count: int, skus: int, warehouses: int, first_offset: int,

@@ -2,7 +2,8 @@
 # The staging chaos drill, generalised: produce movements while killing the workers, then prove the ledger exact.
 # `--help` says how to run it; the Helm chart's opt-in drill Job (chaos.enabled, helm/stock-ledger/templates/
 # chaos-job.yaml) runs `--mode k8s` against the drill's own workers, topic and database, and CI runs `--mode local`
-# (tests/integration/test_chaos_script.py).
+# (tests/integration/test_chaos_script.py). The flags and the k8s drill are here; --mode local hands over, with the
+# checked flags, to its Python supervisor scripts/chaos_local.py (worker processes, readiness, restarts, progress).
 #
 # Output: progress, the plan and verify's table go to stderr; stdout carries one line, `count|distinct`.
 # Exit codes: 0 the ledger holds exactly --count movements, each once; 1 it does not, or the drill itself failed;
@@ -208,7 +209,23 @@ validate_env() {
   fi
 }
 
-# ------------------------------------------------------------------------------------------ shared steps
+# ------------------------------------------------------------------------------------------ local mode
+
+# The supervisor runs on the interpreter of the CLI's own environment (a venv's python sits next to its
+# stock-ledger), which can import stock_ledger; it keeps this script's output lines and exit codes.
+run_local() {
+  local helper=$ROOT/scripts/chaos_local.py python dir
+  [[ -f $helper ]] || usage_error "--mode local needs $helper: run it from a checkout of the repository"
+  dir=$(dirname -- "$cli")
+  for python in "$dir/python3" "$dir/python" "$ROOT/.venv/bin/python3" python3; do
+    if command -v -- "$python" >/dev/null; then break; fi
+  done
+  exec "$python" "$helper" --cli "$cli" --count "$count" --rate "$rate" --kills "$kills" \
+    --gap-ms "$gap_min" "$gap_max" --seed "$seed" --workers "$workers" --log-dir "${opt[--log-dir]}" \
+    --drain-timeout "$drain_timeout" --ready-timeout "$ready_timeout"
+}
+
+# ------------------------------------------------------------------------------------------ k8s mode
 
 producer_pid=""
 verify_pid=""
@@ -227,7 +244,7 @@ pause() {
     slice=$((ms < 250 ? ms : 250))
     sleep "$(seconds "$slice")"
     ms=$((ms - slice))
-    supervise
+    check_producer
   done
 }
 
@@ -269,159 +286,6 @@ verify_ledger() {
   ((rc == 0)) || die "verify found a problem (status $rc): see the table above"
   log "ok: $line"
 }
-
-# ------------------------------------------------------------------------------------------ local mode
-
-declare -a worker_pid=() worker_port=() worker_gen=() worker_log=()
-killed_total=0
-crashes=0
-
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-
-# A port nobody listens on and no worker of ours was given.
-free_port() {
-  local port
-  while :; do
-    port=$((20000 + (RANDOM << 15 | RANDOM) % 40000))
-    [[ " ${worker_port[*]} " != *" $port "* ]] && ! port_open "$port" && break
-  done
-  printf '%d' "$port"
-}
-
-# HTTP status of GET $2 on 127.0.0.1:$1, or nothing if it does not answer.
-http_status() (
-  exec 3<>"/dev/tcp/127.0.0.1/$1" || exit 0
-  printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$2" >&3
-  local status=""
-  IFS=' ' read -r -t 5 _ status _ <&3 || true
-  printf '%s' "$status"
-) 2>/dev/null
-
-start_worker() {
-  local i=$1 gen=$((${worker_gen[$1]:-0} + 1))
-  local -a env=("STOCK_LEDGER_METRICS_PORT=${worker_port[i]}")
-  if [[ -n ${STOCK_LEDGER_GROUP_INSTANCE_ID:-} ]]; then
-    env+=("STOCK_LEDGER_GROUP_INSTANCE_ID=$STOCK_LEDGER_GROUP_INSTANCE_ID-$i-$gen")
-  fi
-  worker_gen[i]=$gen
-  worker_log[i]="$workdir/worker-$i.$gen.log"
-  env "${env[@]}" "$cli" run </dev/null >"${worker_log[i]}" 2>&1 &
-  worker_pid[i]=$!
-}
-
-# A worker that exited without our SIGKILL is restarted too: the worker exits on purpose in a few unrecoverable
-# states, counting on exactly that. One that dies before the first all-Ready (bad URL, unmigrated database), with
-# a configuration error (status 2), or over and over, would only repeat: that ends the drill.
-readonly MAX_CRASHES=10
-starting=1
-supervise() {
-  check_producer
-  [[ $mode == local ]] || return 0
-  local i rc pid
-  for i in "${!worker_pid[@]}"; do
-    if [[ -z ${worker_pid[i]} ]] || kill -0 "${worker_pid[i]}" 2>/dev/null; then continue; fi
-    rc=0
-    wait "${worker_pid[i]}" || rc=$?
-    pid=${worker_pid[i]}
-    worker_pid[i]=""
-    crashes=$((crashes + 1))
-    if ((starting || rc == 2 || crashes > MAX_CRASHES)); then
-      log "last lines of ${worker_log[i]}:"
-      tail -n 5 "${worker_log[i]}" >&2
-      die "worker $i (pid $pid) exited on its own with status $rc (crash $crashes)"
-    fi
-    log "worker $i (pid $pid) exited on its own with status $rc, see ${worker_log[i]}; restarting it"
-    start_worker "$i"
-  done
-}
-
-wait_workers_ready() {
-  local deadline=$((SECONDS + ready_timeout)) i
-  local -a pending
-  while :; do
-    pending=()
-    for i in "${!worker_pid[@]}"; do
-      [[ $(http_status "${worker_port[i]}" /readyz) == 200 ]] || pending+=("$i")
-    done
-    if ((${#pending[@]} == 0)); then break; fi
-    ((SECONDS < deadline)) || die "workers ${pending[*]} not ready after ${ready_timeout}s; logs in $workdir"
-    pause 500
-  done
-  starting=0
-  log "all $workers workers ready"
-}
-
-kill_random_worker() {
-  local n=$1 i pid
-  i=$((1 + RANDOM % workers))
-  pid=${worker_pid[i]}
-  kill -KILL "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  killed_total=$((killed_total + 1))
-  log "kill $n/$kills: pid $pid (worker $i)"
-  start_worker "$i"
-  log "restarted worker $i: pid ${worker_pid[i]} (log ${worker_log[i]})"
-}
-
-# SIGTERM, then up to `grace` seconds for a clean exit, then SIGKILL; `unclean` counts those that did not exit 0.
-# (Not called in $(...): only this shell can wait for its children.)
-unclean=0
-stop_workers() {
-  local grace=$1 i deadline=$((SECONDS + $1)) rc
-  for i in "${!worker_pid[@]}"; do
-    [[ -z ${worker_pid[i]} ]] || kill -TERM "${worker_pid[i]}" 2>/dev/null || true
-  done
-  for i in "${!worker_pid[@]}"; do
-    [[ -n ${worker_pid[i]} ]] || continue
-    while kill -0 "${worker_pid[i]}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-    if kill -0 "${worker_pid[i]}" 2>/dev/null; then
-      log "worker $i (pid ${worker_pid[i]}) ignored SIGTERM for ${grace}s: SIGKILL"
-      kill -KILL "${worker_pid[i]}" 2>/dev/null || true
-    fi
-    rc=0
-    wait "${worker_pid[i]}" 2>/dev/null || rc=$?
-    if ((rc != 0)); then
-      log "worker $i (pid ${worker_pid[i]}) exited with status $rc, not 0 as after SIGTERM; see ${worker_log[i]}"
-      unclean=$((unclean + 1))
-    fi
-    worker_pid[i]=""
-  done
-}
-
-run_local() {
-  if [[ -n ${opt[--log-dir]} ]]; then
-    workdir=${opt[--log-dir]}
-    mkdir -p -- "$workdir"
-  else
-    workdir=$(mktemp -d "${TMPDIR:-/tmp}/stock-ledger-chaos.XXXXXX")
-  fi
-  local i
-  for ((i = 1; i <= workers; i++)); do worker_port[i]=$(free_port); done
-  log "plan: --mode local, $workers worker(s) of $cli, group ${STOCK_LEDGER_GROUP_ID:-stock-ledger}," \
-    "topic ${STOCK_LEDGER_TOPIC:-warehouse.movements} at ${KAFKA_BOOTSTRAP_SERVERS:-localhost:9092}"
-  log "plan: produce $count movements at $rate/s; SIGKILL a random worker $kills times," \
-    "$(seconds "$gap_min")-$(seconds "$gap_max")s apart, restarting it at once; seed $seed"
-  log "logs: $workdir (metrics ports ${worker_port[*]})"
-
-  "$cli" create-topic </dev/null >&2
-  for ((i = 1; i <= workers; i++)); do start_worker "$i"; done
-  wait_workers_ready
-  start_producer
-  for ((i = 1; i <= kills; i++)); do
-    next_gap
-    pause "$gap"
-    kill_random_worker "$i"
-  done
-  wait_producer
-  verify_ledger
-  log "stopping the workers (SIGTERM)"
-  stop_workers 30
-  ((crashes == 0)) || log "note: workers exited on their own $crashes time(s) and were restarted"
-  ((unclean == 0)) || die "$unclean worker(s) did not stop cleanly on SIGTERM"
-  log "done: $killed_total kills, ledger exact"
-}
-
-# ------------------------------------------------------------------------------------------ k8s mode
 
 killed_pods=" "
 
@@ -507,8 +371,7 @@ run_k8s() {
 
 # ------------------------------------------------------------------------------------------ cleanup
 
-# On any exit: stop what is still running, by pid. Workers get SIGTERM and a short grace (a clean stop keeps
-# their logs readable), the producer and verify are simply ended.
+# On any exit: end what is still running, by pid.
 cleanup() {
   local rc=$?
   set +e
@@ -517,10 +380,6 @@ cleanup() {
   for pid in "$producer_pid" "$verify_pid"; do
     [[ -z $pid ]] || kill -TERM "$pid" 2>/dev/null
   done
-  if [[ " ${worker_pid[*]:-} " =~ [0-9] ]]; then
-    log "stopping the workers still running"
-    stop_workers 10
-  fi
   for pid in "$producer_pid" "$verify_pid"; do
     [[ -z $pid ]] || wait "$pid" 2>/dev/null
   done
@@ -533,11 +392,12 @@ main() {
   validate_flags
   resolve_cli
   validate_env
+  [[ $mode == k8s ]] || run_local
   trap cleanup EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
   RANDOM=$seed
-  if [[ $mode == k8s ]]; then run_k8s; else run_local; fi
+  run_k8s
 }
 
 main "$@"

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
-from bench import ROOT, Bench, Fleet, Options, discover, environment, say
+from bench import ROOT, Bench, Fleet, Options, bar_svg, environment, keep_partial, say
+from localservices import discover
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -118,41 +119,6 @@ def scaling_efficiency(rates: dict[int, float]) -> dict[int, float]:
     """rate(n) / (n x rate(1)): 1.0 is linear scaling."""
     base = rates.get(1)
     return {n: r / (n * base) for n, r in rates.items()} if base else {}
-
-
-def bar_svg(title: str, bars: Sequence[tuple[str, float]], x_label: str,
-            lines: Sequence[tuple[float, str]] = ()) -> str:
-    """A hand-written bar chart (no plotting dependency): one labelled bar per value, optional reference lines."""
-    width, height, left, bottom, top = 640, 360, 80, 50, 40
-    top_value = max([v for _, v in bars] + [v for v, _ in lines] + [1.0]) * 1.15
-    plot_h, slot = height - bottom - top, (width - left - 20) / max(1, len(bars))
-
-    def y(value: float) -> float:
-        return top + plot_h * (1 - value / top_value)
-
-    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             'font-size="12">'),
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
-    for i in range(5):
-        value = top_value * i / 4
-        parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
-    for i, (label, value) in enumerate(bars):
-        x = left + i * slot + slot * 0.2
-        parts += [
-            (f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{top + plot_h - y(value):.1f}" '
-            'fill="#4878a8"/>'),
-            f'<text x="{x + slot * 0.3:.1f}" y="{y(value) - 4:.1f}" text-anchor="middle">{value:,.0f}</text>',
-            f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>',
-        ]
-    for value, label in lines:
-        parts += [(f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
-                  'stroke-dasharray="6 4"/>'),
-                  f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>']
-    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>', "</svg>"]
-    return "\n".join(parts) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ measurements
@@ -370,11 +336,7 @@ async def main(o: LedgerOptions, deadline: float | None) -> int:
         summary["growth"] = await growth(bench, topic, o, deadline, summary)
         summary["services"] = await bench.versions()
     except BaseException:
-        # Keep what was measured (the shared PostgreSQL was restarted under a run twice).
-        o.out.parent.mkdir(parents=True, exist_ok=True)
-        partial = o.out.with_name(o.out.stem + "-partial.json")
-        partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        say(f"failed: what was measured so far is in {partial}")
+        keep_partial(o.out, summary)  # the shared PostgreSQL was restarted under a run twice
         raise
     finally:
         await bench.drop_database()

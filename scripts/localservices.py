@@ -1,5 +1,6 @@
 """The local services harness the tests and the benches share: the project's own Kafka and PostgreSQL (started by
-scripts/kafka.sh and scripts/postgres.sh), the worker's least-privileged role, URLs and free ports.
+scripts/kafka.sh and scripts/postgres.sh), the worker's least-privileged role, URLs, scratch databases and topics,
+and free ports.
 
 Imported as `scripts.localservices` by the tests (the repository root is on their path) and as `localservices` by
 the scripts beside it. The tests keep their own, independent check of the ledger (tests/helpers.py).
@@ -7,13 +8,24 @@ the scripts beside it. The tests keep their own, independent check of the ledger
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_ROLE = "stock_ledger_worker"
@@ -25,6 +37,13 @@ def script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL"}}
     return subprocess.run(["bash", str(ROOT / "scripts" / name), *args], check=False, capture_output=True,
                           text=True, timeout=600, env=env)
+
+
+def script_output(name: str, *args: str) -> str:
+    """scripts/<name>'s stdout, stripped; a failure raises with its output."""
+    done = script(name, *args)
+    done.check_returncode()
+    return done.stdout.strip()
 
 
 def local_kafka() -> str:
@@ -41,24 +60,58 @@ def url_for(admin_url: str, database: str, user: str | None = None, password: st
     return urlunsplit((parts.scheme, netloc, f"/{database}", parts.query, parts.fragment))
 
 
-async def ensure_worker_role(admin_url: str, password: str = WORKER_PASSWORD) -> str:
-    """The LOGIN role the workers run as: a member of stock_ledger_app, which migrations grant exactly what the
-    worker needs. Idempotent, and safe when several processes create it at once."""
+@dataclass(frozen=True)
+class Services:
+    """Where the benches run: a bootstrap address and a URL that may CREATE DATABASE."""
+
+    kafka: str
+    admin_url: str
+    origin: str  # "environment" or "scripts"
+    worker_password: str = WORKER_PASSWORD
+
+    def url_for(self, database: str, *, worker: bool = False) -> str:
+        """The database's URL as its owner, or as the workers' role."""
+        if worker:
+            return url_for(self.admin_url, database, WORKER_ROLE, self.worker_password)
+        return url_for(self.admin_url, database)
+
+
+def discover() -> Services:
+    """The tests' discovery without containers: KAFKA_BOOTSTRAP_SERVERS and DATABASE_URL where set, the rest
+    started by the project's scripts."""
+    kafka, db = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("DATABASE_URL")
+    if kafka and db:
+        return Services(kafka, db, "environment")
+    if not kafka:
+        script_output("kafka.sh", "start")
+    if not db:
+        script_output("postgres.sh", "start")
+    return Services(kafka or local_kafka(), db or script_output("postgres.sh", "url"), "scripts")
+
+
+async def ensure_login_role(admin_url: str, role: str, password: str, member_of: str) -> str:
+    """`role` as a LOGIN role with `password`, a member of the NOLOGIN role `member_of` (created if missing: the
+    migrations grant it its privileges). Idempotent, and safe when several processes create it at once."""
     conn = await asyncpg.connect(admin_url)
     try:
-        await conn.execute("""
+        await conn.execute(f"""
             DO $$ BEGIN
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_app') THEN
-                CREATE ROLE stock_ledger_app NOLOGIN; END IF;
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'stock_ledger_worker') THEN
-                CREATE ROLE stock_ledger_worker LOGIN; END IF;
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{member_of}') THEN
+                CREATE ROLE {member_of} NOLOGIN; END IF;
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN CREATE ROLE {role} LOGIN; END IF;
             EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
             END $$""")
-        await conn.execute(f"ALTER ROLE {WORKER_ROLE} PASSWORD '{password}'")
-        await conn.execute(f"GRANT stock_ledger_app TO {WORKER_ROLE}")
+        await conn.execute(f"ALTER ROLE {role} PASSWORD '{password}'")
+        await conn.execute(f"GRANT {member_of} TO {role}")
     finally:
         await conn.close()
-    return WORKER_ROLE
+    return role
+
+
+async def ensure_worker_role(admin_url: str, password: str = WORKER_PASSWORD) -> str:
+    """The LOGIN role the workers run as: a member of stock_ledger_app, which migrations grant exactly what the
+    worker needs."""
+    return await ensure_login_role(admin_url, WORKER_ROLE, password, "stock_ledger_app")
 
 
 async def create_migrated_database(admin_url: str, name: str) -> str:
@@ -74,6 +127,92 @@ async def create_migrated_database(admin_url: str, name: str) -> str:
     owner_url = url_for(admin_url, name)
     await migrate(owner_url, find_migrations_dir(None))
     return owner_url
+
+
+async def drop_database(admin_url: str, name: str) -> None:
+    admin = await asyncpg.connect(admin_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def kafka_admin(kafka: str) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka)
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def create_topic(kafka: str, name: str, partitions: int) -> None:
+    """A new topic, returned once every partition has a leader (producing before that only logs
+    NotLeaderForPartition retries)."""
+    async with kafka_admin(kafka) as admin:
+        await admin.create_topics([NewTopic(name, partitions, 1)])
+        for _ in range(100):
+            described = await admin.describe_topics([name])
+            parts = described[0]["partitions"] if described and described[0]["error_code"] == 0 else []
+            if len(parts) == partitions and all(p["leader"] >= 0 for p in parts):
+                break
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+
+
+async def delete_topics(kafka: str, names: list[str]) -> None:
+    """Cleanup: a topic that cannot be deleted is said on stderr, not raised."""
+    if not names:
+        return
+    try:
+        async with kafka_admin(kafka) as admin:
+            await admin.delete_topics(names)
+    except Exception as exc:  # cleanup: say it, go on
+        print(f"could not delete the topics {', '.join(names)}: {exc}", file=sys.stderr)
+
+
+async def end_offsets(kafka: str, topic: str, partitions: int) -> dict[int, int]:
+    """partition -> log end offset."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        return {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+def worker_env(kafka: str, database_url: str, topic: str, group: str, **extra: str) -> dict[str, str]:
+    """The environment of a `stock-ledger` process: the caller's without any STOCK_LEDGER_ setting of its own,
+    these services, topic and group, JSON logs, and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
+    env |= {"KAFKA_BOOTSTRAP_SERVERS": kafka, "DATABASE_URL": database_url, "STOCK_LEDGER_TOPIC": topic,
+            "STOCK_LEDGER_GROUP_ID": group, "STOCK_LEDGER_LOG_FORMAT": "json"}
+    return env | extra
+
+
+def spawn_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`stock-ledger run` on this interpreter, stdout and stderr to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def _nothing() -> None:
+    pass
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool]], within: float, failure: str, *,
+                     check: Callable[[], None] = _nothing, every: float = 0.1) -> None:
+    """Poll `condition` every `every` seconds until it holds; `check` between polls (a process still alive? it
+    raises if not); RuntimeError(failure) after `within` seconds."""
+    deadline = time.monotonic() + within
+    while not await condition():
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        await asyncio.sleep(every)
 
 
 def free_port() -> int:

@@ -40,13 +40,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, Services, discover, ensure_worker_role, free_port, say
-from localservices import create_migrated_database
+from bench import ROOT, say
+from localservices import (
+    Services,
+    create_migrated_database,
+    create_topic,
+    delete_topics,
+    discover,
+    drop_database,
+    free_port,
+    wait_until,
+    worker_env,
+)
 
 from stock_ledger.produce import produce
+from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -113,34 +123,16 @@ class Run:
         return f"membership-{self.mode}-{self.run_id}"
 
     async def setup(self) -> None:
-        await ensure_worker_role(self.services)
         await create_migrated_database(self.services.admin_url, self.database)
-        kafka = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await kafka.start()
-        try:
-            await kafka.create_topics([NewTopic(self.topic, self.opts.partitions, 1)])
-        finally:
-            await kafka.close()
-        await asyncio.sleep(1)
+        await create_topic(self.services.kafka, self.topic, self.opts.partitions)
 
     async def teardown(self) -> None:
         for w in self.workers:
             if w.popen.poll() is None:
                 w.popen.kill()
                 w.popen.wait(10)
-        admin = await asyncpg.connect(self.services.admin_url)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-        finally:
-            await admin.close()
-        kafka = AIOKafkaAdminClient(bootstrap_servers=self.services.kafka)
-        await kafka.start()
-        try:
-            await kafka.delete_topics([self.topic])
-        except Exception as exc:
-            say(f"could not delete topic {self.topic}: {exc}")
-        finally:
-            await kafka.close()
+        await drop_database(self.services.admin_url, self.database)
+        await delete_topics(self.services.kafka, [self.topic])
 
     def instance_id(self, slot: int) -> str | None:
         if self.mode == "dynamic":
@@ -150,17 +142,10 @@ class Run:
         return f"worker-{slot}-{uuid.uuid4().hex[:5]}"  # a Deployment pod's name: new on every replacement
 
     def spawn(self, slot: int) -> Worker:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
         port = free_port()
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
-            "DATABASE_URL": self.services.url_for(self.database, worker=True),
-            "STOCK_LEDGER_TOPIC": self.topic,
-            "STOCK_LEDGER_GROUP_ID": self.group,
-            "STOCK_LEDGER_METRICS_PORT": str(port),
-            "STOCK_LEDGER_LOG_FORMAT": "json",
-            "STOCK_LEDGER_SESSION_TIMEOUT_MS": str(self.opts.session_timeout_ms),
-        })
+        env = worker_env(self.services.kafka, self.services.url_for(self.database, worker=True), self.topic,
+                         self.group, STOCK_LEDGER_METRICS_PORT=str(port),
+                         STOCK_LEDGER_SESSION_TIMEOUT_MS=str(self.opts.session_timeout_ms))
         instance = self.instance_id(slot)
         if instance is not None:
             env["STOCK_LEDGER_GROUP_INSTANCE_ID"] = instance
@@ -171,14 +156,16 @@ class Run:
         return Worker(slot, instance, popen, port, log)
 
     async def wait_ready(self, workers: Sequence[Worker], within: float = 60) -> None:
-        deadline = time.monotonic() + within
-        while not all(await asyncio.gather(*(asyncio.to_thread(w.ready) for w in workers))):
+        async def ready() -> bool:
+            return all(await asyncio.gather(*(asyncio.to_thread(w.ready) for w in workers)))
+
+        def alive() -> None:
             for w in workers:
                 if w.popen.poll() is not None:
                     raise RuntimeError(f"worker {w.log} exited with {w.popen.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers not ready within {within:g}s (logs: {[str(w.log) for w in workers]})")
-            await asyncio.sleep(0.1)
+
+        logs = [str(w.log) for w in workers]
+        await wait_until(ready, within, f"workers not ready within {within:g}s (logs: {logs})", check=alive)
 
     async def rolling_restart(self) -> list[dict[str, float]]:
         steps = []
@@ -267,12 +254,10 @@ class Sampler:
 
     async def _poll(self) -> None:
         assert self._conn is not None  # noqa: S101
-        rows = await self._conn.fetch(
-            "SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1 AND topic = $2",
-            self._group, self._topic)
+        stored = await stored_offsets(self._conn, self._group, self._topic)
         now = time.monotonic()
-        for r in rows:
-            p, off = r["partition"], r["next_offset"] or 0
+        for p, next_offset in stored.items():
+            off = next_offset or 0
             prev = self._last.get(p)
             if prev is None or off != prev[0]:
                 if prev is not None:

@@ -46,11 +46,12 @@ from urllib.parse import urlsplit
 import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
-from bench import ROOT, Bench, Options, discover, environment, free_port, say
-from ledger_bench import bar_svg
+from bench import ROOT, Bench, Options, bar_svg, environment, keep_partial, say
+from localservices import discover, free_port, spawn_worker, wait_until
 
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
+from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -268,16 +269,11 @@ async def connect_drain(bench: Bench, peer: Connect, count: int, within: float) 
 
 
 async def _wait_progress(check: Callable[[], None], read: Callable[[], Awaitable[Any]], above: int,
-                         within: float) -> int:
-    deadline = time.monotonic() + within
-    while True:
-        value = int(await read())
-        if value > above:
-            return value
-        check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no progress within {within:g}s (stuck at {value:,})")
-        await asyncio.sleep(0.05)
+                         within: float) -> None:
+    async def moved() -> bool:
+        return int(await read()) > above
+
+    await wait_until(moved, within, f"no progress within {within:g}s (stuck at {above:,})", check=check, every=0.05)
 
 
 async def drill_connect(bench: Bench, peer: Connect, count: int, kills: int, rng: random.Random) -> dict[str, Any]:
@@ -330,18 +326,15 @@ async def drill_ours(  # noqa: C901 - one scenario read top to bottom: spawn, ki
     popen: subprocess.Popen[bytes] | None = None
 
     def spawn(i: int) -> subprocess.Popen[bytes]:
-        env = bench._worker_env(topic, group, {})  # noqa: SLF001 - the bench's own helper
-        with (logs / f"drill-{i}.log").open("wb") as out:
-            return subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+        return spawn_worker(bench.worker_env(topic, group, {}), logs / f"drill-{i}.log")
 
     def check() -> None:
         if popen is not None and popen.poll() is not None:
             raise RuntimeError(f"the worker exited with {popen.returncode}; see {logs}")
 
     async def applied() -> int:
-        stored = await conn.fetch("SELECT partition, next_offset FROM consumer_offsets WHERE group_id = $1", group)
-        return sum(min(r[1] or 0, ends.get(r[0], 0)) for r in stored)
+        stored = await stored_offsets(conn, group, topic)
+        return sum(min(n or 0, ends.get(p, 0)) for p, n in stored.items())
 
     total = sum(ends.values())
     if total != count:
@@ -436,11 +429,7 @@ async def measure(o: PeerOptions) -> dict[str, Any]:
         result["services"] = await bench.versions()
     except BaseException:
         bench.keep_logs = True
-        # What was measured before the failure is kept (a shared PostgreSQL restarted mid-drill once).
-        o.out.parent.mkdir(parents=True, exist_ok=True)
-        partial = o.out.with_name(o.out.stem + "-partial.json")
-        partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        say(f"failed: what was measured so far is in {partial}")
+        keep_partial(o.out, result)  # a shared PostgreSQL restarted mid-drill once
         raise
     finally:
         await bench.drop_database()

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -22,7 +21,7 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from scripts.localservices import free_port, url_for
+from scripts.localservices import drop_database, free_port, kafka_admin, spawn_worker, url_for, worker_env
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,19 @@ class Env:
     name: str
 
 
+async def insert_foreign_row(owner_url: str, topic: str, partition: int, offset: int) -> None:
+    """A stock_movements row at these coordinates that no batch wrote (as the owner): a later batch that brings
+    the same coordinates must collide with it."""
+    owner = await asyncpg.connect(owner_url)
+    try:
+        await owner.execute(
+            "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
+            "kafka_partition, kafka_offset) VALUES ($1, 'WH-1', 'SKU-1', 1, 'receipt', now(), $2, $3, $4)",
+            uuid.uuid4(), topic, partition, offset)
+    finally:
+        await owner.close()
+
+
 @contextlib.asynccontextmanager
 async def scratch_database(services: Services) -> AsyncIterator[str]:
     """A new, empty database (its name), dropped afterwards."""
@@ -65,11 +77,7 @@ async def scratch_database(services: Services) -> AsyncIterator[str]:
     try:
         yield name
     finally:
-        admin = await asyncpg.connect(services.admin_url)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await drop_database(services.admin_url, name)
 
 
 @contextlib.asynccontextmanager
@@ -79,23 +87,14 @@ async def scratch_topic(services: Services, partitions: int | None = 24, configs
     afterwards (best effort)."""
     name = f"{prefix}{uuid.uuid4().hex[:10]}"
     if partitions is not None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-        await admin.start()
-        try:
+        async with kafka_admin(services.kafka) as admin:
             await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
-        finally:
-            await admin.close()
     try:
         yield name
     finally:
-        admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-        await admin.start()
-        try:
-            await admin.delete_topics([name])
-        except Exception:  # noqa: S110 - cleanup of a test topic is best effort
-            pass
-        finally:
-            await admin.close()
+        with contextlib.suppress(Exception):  # cleanup of a test topic is best effort
+            async with kafka_admin(services.kafka) as admin:
+                await admin.delete_topics([name])
 
 
 
@@ -160,31 +159,20 @@ class WorkerPool:
     started: list[WorkerProcess] = field(default_factory=list)
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": self.services.kafka,
-            "DATABASE_URL": self.db.worker_url,
-            "STOCK_LEDGER_TOPIC": self.topic,
-            "STOCK_LEDGER_GROUP_ID": self.group,
+        return worker_env(self.services.kafka, self.db.worker_url, self.topic, self.group, **{
             "STOCK_LEDGER_SESSION_TIMEOUT_MS": "6000",
             "STOCK_LEDGER_REBALANCE_TIMEOUT_MS": "20000",
-            "STOCK_LEDGER_LOG_FORMAT": "json",
             "STOCK_LEDGER_LOG_LEVEL": "info",
             "STOCK_LEDGER_POSITION_REFRESH_SECONDS": "1",
             "STOCK_LEDGER_INVARIANT_REFRESH_SECONDS": "2",
             "STOCK_LEDGER_RETRY_DEADLINE_SECONDS": "120",
-        })
-        env.update(extra)
-        return env
+        } | extra)
 
     def start(self, **extra: str) -> WorkerProcess:
         port = free_port()
         log = self.logs / f"worker-{len(self.started)}-{uuid.uuid4().hex[:6]}.log"
         env = self.env(STOCK_LEDGER_METRICS_PORT=str(port), **extra)
-        with log.open("wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        worker = WorkerProcess(proc, port, log, env)
+        worker = WorkerProcess(spawn_worker(env, log), port, log, env)
         self.started.append(worker)
         return worker
 

@@ -10,7 +10,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from stock_ledger.errors import ConfigError
@@ -237,21 +237,15 @@ class Settings:
         return values
 
 
-def _parse_int(name: str, raw: str, low: int, high: int) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={value} is out of range [{low}, {high}]")
-    return value
+_Number = TypeVar("_Number", int, float)
 
 
-def _parse_float(name: str, raw: str, low: float, high: float) -> float:
+def _parse_number(name: str, raw: str, low: _Number, high: _Number, convert: Callable[[str], _Number]) -> _Number:
+    """`convert` is int or float; the value must lie in [low, high]."""
     try:
-        value = float(raw)
+        value = convert(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
+        raise ConfigError(f"{name}={raw!r} is not {'an integer' if convert is int else 'a number'}") from None
     if not low <= value <= high:
         raise ConfigError(f"{name}={value} is out of range [{low}, {high}]")
     return value
@@ -271,11 +265,11 @@ def _text(name: str, raw: str) -> str:
 
 
 def _ints(low: int, high: int) -> Callable[[str, str], int]:
-    return lambda name, raw: _parse_int(name, raw, low, high)
+    return lambda name, raw: _parse_number(name, raw, low, high, int)
 
 
 def _floats(low: float, high: float) -> Callable[[str, str], float]:
-    return lambda name, raw: _parse_float(name, raw, low, high)
+    return lambda name, raw: _parse_number(name, raw, low, high, float)
 
 
 def _choice(*choices: str) -> Callable[[str, str], str]:
@@ -288,7 +282,7 @@ def _upper(*choices: str) -> Callable[[str, str], str]:
 
 def _parse_deadline(name: str, raw: str) -> float:
     """0 means retry forever; anything else is at least a second."""
-    value = _parse_float(name, raw, 0, 86_400)
+    value = _floats(0, 86_400)(name, raw)
     if 0 < value < 1:
         raise ConfigError(f"{name}={value} must be 0 (retry forever) or between 1 and 86400 seconds")
     return value

@@ -65,27 +65,28 @@ def environment_epilog(names: Sequence[str]) -> str:
 # ------------------------------------------------------------------------------------------------ parsers
 
 
+def _command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, group: str, help_text: str,
+             description: str | None = None) -> argparse.ArgumentParser:
+    """One parser of the group: its help, and the group's environment as epilog."""
+    return sub.add_parser(name, help=help_text, description=description, epilog=environment_epilog(ENVIRONMENT[group]),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The `offsets` and `rejected` command groups."""
-    raw = argparse.RawDescriptionHelpFormatter
-    offsets = sub.add_parser(
-        "offsets", help="show or move the partitions' stored offsets (the source of truth, in PostgreSQL)",
-        description="Offsets live in PostgreSQL; Kafka's --reset-offsets changes nothing here.",
-        epilog=environment_epilog(ENVIRONMENT["offsets"]), formatter_class=raw)
+    offsets = _command(sub, "offsets", "offsets",
+                       "show or move the partitions' stored offsets (the source of truth, in PostgreSQL)",
+                       "Offsets live in PostgreSQL; Kafka's --reset-offsets changes nothing here.")
     osub = offsets.add_subparsers(dest="action", required=True)
-    show = osub.add_parser(
-        "show", help="per partition: stored offset, epoch, owner, log start/end, lag, any gap",
-        epilog=environment_epilog(ENVIRONMENT["offsets"]), formatter_class=raw)
-    show.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    move = osub.add_parser(
-        "set", help="move one partition's stored offset (skip a hole, skip records, or go back to unapplied ones)",
-        description=(
-            "Moves one partition's next offset in consumer_offsets and bumps its epoch, so running workers are\n"
-            "fenced and re-read it. Refuses while the group has live members unless --force. Moving forward\n"
-            "records the skipped range in ledger_gaps as acknowledged by you (reason operator_skip, --note).\n"
-            "Moving below the highest applied or quarantined offset + 1 is refused: those records would be\n"
-            "applied twice. Run it as the owner role."),
-        epilog=environment_epilog(ENVIRONMENT["offsets"]), formatter_class=raw)
+    show = _command(osub, "show", "offsets", "per partition: stored offset, epoch, owner, log start/end, lag, any gap")
+    move = _command(
+        osub, "set", "offsets",
+        "move one partition's stored offset (skip a hole, skip records, or go back to unapplied ones)",
+        "Moves one partition's next offset in consumer_offsets and bumps its epoch, so running workers are\n"
+        "fenced and re-read it. Refuses while the group has live members unless --force. Moving forward\n"
+        "records the skipped range in ledger_gaps as acknowledged by you (reason operator_skip, --note).\n"
+        "Moving below the highest applied or quarantined offset + 1 is refused: those records would be\n"
+        "applied twice. Run it as the owner role.")
     move.add_argument("--partition", type=int, required=True)
     target = move.add_mutually_exclusive_group(required=True)
     target.add_argument("--offset", type=int, help="the next offset to apply")
@@ -96,36 +97,28 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     move.add_argument("--force", action="store_true",
                       help="act although workers are in the group (they are fenced, exit and re-claim)")
     move.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
-    move.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
-    rejected = sub.add_parser(
-        "rejected", help="list, show and replay quarantined records (rejected_movements)",
-        epilog=environment_epilog(ENVIRONMENT["rejected"]), formatter_class=raw)
+    rejected = _command(sub, "rejected", "rejected", "list, show and replay quarantined records (rejected_movements)")
     rsub = rejected.add_subparsers(dest="action", required=True)
-    listing = rsub.add_parser("list", help="quarantined records, oldest first",
-                              epilog=environment_epilog(ENVIRONMENT["rejected"]), formatter_class=raw)
+    listing = _command(rsub, "list", "rejected", "quarantined records, oldest first")
     listing.add_argument("--reason", metavar="CODE", choices=[c.value for c in RejectCode],
                          help="only this reason_code")
     listing.add_argument("--since", metavar="T", help="rejected at or after T: RFC 3339, or an age such as 30m, 6h, 7d")
     listing.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100)")
-    listing.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    one = rsub.add_parser("show", help="one quarantined record, raw key and value included",
-                          epilog=environment_epilog(ENVIRONMENT["rejected"]), formatter_class=raw)
+    one = _command(rsub, "show", "rejected", "one quarantined record, raw key and value included")
     one.add_argument("id", type=int, help="the row's id (first column of `rejected list`)")
-    one.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    replay = rsub.add_parser(
-        "replay", help="re-parse quarantined records with this version's parser and apply those now valid",
-        description=(
-            "Each batch is one transaction: valid records go to stock_movements with their original Kafka\n"
-            "coordinates and into stock_levels, and leave rejected_movements; the others stay, with the attempt\n"
-            "recorded (replay_attempts, last_replay_at, last_replay_reason). A movement_id already in the ledger\n"
-            "stays rejected. Safe to run twice at once (rows are locked FOR UPDATE SKIP LOCKED)."),
-        epilog=environment_epilog(ENVIRONMENT["rejected"]), formatter_class=raw)
+    replay = _command(
+        rsub, "replay", "rejected", "re-parse quarantined records with this version's parser and apply those now valid",
+        "Each batch is one transaction: valid records go to stock_movements with their original Kafka\n"
+        "coordinates and into stock_levels, and leave rejected_movements; the others stay, with the attempt\n"
+        "recorded (replay_attempts, last_replay_at, last_replay_reason). A movement_id already in the ledger\n"
+        "stays rejected. Safe to run twice at once (rows are locked FOR UPDATE SKIP LOCKED).")
     replay.add_argument("--reason", metavar="CODE", choices=[c.value for c in RejectCode],
                         help="only rows with this reason_code")
     replay.add_argument("--dry-run", action="store_true", help="report what would be applied, change nothing")
     replay.add_argument("--batch-size", type=int, default=500, help="rows per transaction (default 500)")
-    replay.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    for command in (show, move, listing, one, replay):
+        command.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
 def handler(settings: Settings, args: argparse.Namespace) -> Callable[[], Coroutine[Any, Any, int]] | None:

@@ -92,6 +92,16 @@ async def _group_empty(services: Services, group: str) -> bool:
     return all(not g["members"] for r in responses for g in r.to_object()["groups"])
 
 
+async def _applied_offsets(database: Env) -> list[int]:
+    """The Kafka offsets of partition PARTITION that the ledger holds, in order."""
+    conn = await asyncpg.connect(database.owner_url)
+    try:
+        return [r[0] for r in await conn.fetch(
+            "SELECT kafka_offset FROM stock_movements WHERE kafka_partition = $1 ORDER BY 1", PARTITION)]
+    finally:
+        await conn.close()
+
+
 class TestOffsets:
     """`offsets show` and `offsets set`: the way out of a hole in the log, and of a deliberate skip."""
 
@@ -149,13 +159,7 @@ class TestOffsets:
 
         workers.start()
         await wait_drained(services, database, topic, workers.group, 60, workers)
-        conn = await asyncpg.connect(database.owner_url)
-        try:
-            offsets = [r[0] for r in await conn.fetch(
-                "SELECT kafka_offset FROM stock_movements WHERE kafka_partition = $1 ORDER BY 1", PARTITION)]
-        finally:
-            await conn.close()
-        assert offsets == [*range(10), *range(15, 20)]
+        assert await _applied_offsets(database) == [*range(10), *range(15, 20)]
 
     async def test_moving_back_over_applied_rows_is_refused(
         self, services: Services, database: Env, topic: str, workers: WorkerPool,
@@ -204,13 +208,7 @@ class TestOffsets:
         assert (moved.json()["gap"]["first_offset"], moved.json()["gap"]["last_offset"]) == (0, 4)
         workers.start()
         await wait_drained(services, database, topic, workers.group, 60, workers)
-        conn = await asyncpg.connect(database.owner_url)
-        try:
-            offsets = [r[0] for r in await conn.fetch(
-                "SELECT kafka_offset FROM stock_movements WHERE kafka_partition = $1 ORDER BY 1", PARTITION)]
-        finally:
-            await conn.close()
-        assert offsets == [5, 6, 7, 8, 9]
+        assert await _applied_offsets(database) == [5, 6, 7, 8, 9]
 
     async def test_live_workers_block_the_move_unless_forced_and_are_then_fenced(
         self, services: Services, database: Env, topic: str, workers: WorkerPool,

@@ -23,7 +23,7 @@ from stock_ledger.domain import RejectCode
 from stock_ledger.errors import CoordinateConflictError
 from stock_ledger.faults import Faults
 from stock_ledger.sink import Ledger
-from tests.helpers import Env, movement
+from tests.helpers import Env, insert_foreign_row, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 TOPIC = "warehouse.movements"
@@ -161,14 +161,7 @@ async def test_our_own_uniqueness_backstops_are_not_refusals(conn: asyncpg.Conne
     """A coordinate conflict together with a refused row is still CoordinateConflictError, never quarantined."""
     ledger = Ledger("g", Faults(None))
     (claim,) = await ledger.claim(conn, TOPIC, [0], None, None)
-    owner = await asyncpg.connect(database.owner_url)
-    try:
-        await owner.execute(
-            "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
-            "kafka_partition, kafka_offset) VALUES ($1, 'WH-1', 'SKU-1', 1, 'receipt', now(), $2, 0, 7)",
-            uuid.uuid4(), TOPIC)
-    finally:
-        await owner.close()
+    await insert_foreign_row(database.owner_url, TOPIC, 0, 7)
     batch = build_batch(TOPIC, {0: records(0, 10)}, {0: claim.epoch})
     corrupt(batch, 2, QTY, 0)
     with pytest.raises(CoordinateConflictError):

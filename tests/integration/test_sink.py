@@ -16,7 +16,7 @@ from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerInte
 from stock_ledger.faults import Faults
 from stock_ledger.gaps import find_gap
 from stock_ledger.sink import Ledger
-from tests.helpers import Env, movement
+from tests.helpers import Env, insert_foreign_row, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 TOPIC = "warehouse.movements"
@@ -119,14 +119,7 @@ async def test_the_unique_backstop_turns_a_regression_into_a_loud_failure(
     ledger = Ledger("g", Faults(None))
     (c,) = await ledger.claim(conn, TOPIC, [0], None, None)
     await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 0, 10)}, {0: c.epoch}))
-    owner = await asyncpg.connect(database.owner_url)
-    try:
-        await owner.execute(
-            "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
-            "kafka_partition, kafka_offset) VALUES ($1, 'WH-1', 'SKU-1', 1, 'receipt', now(), $2, 0, 20)",
-            uuid.uuid4(), TOPIC)
-    finally:
-        await owner.close()
+    await insert_foreign_row(database.owner_url, TOPIC, 0, 20)
     with pytest.raises(CoordinateConflictError, match="stock_movements_coordinates_key"):
         await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 10, 15)}, {0: c.epoch}))
     assert await _rows(database) == 11

@@ -22,6 +22,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from scripts.localservices import ensure_login_role
 
 from tests.helpers import Env, Services, WorkerPool, eventually, movement, send_raw, wait_drained
 
@@ -77,17 +78,7 @@ def _on_hand(sent: list[Sent], *, at: datetime | None = None) -> dict[tuple[str,
 @pytest_asyncio.fixture
 async def reader_url(services: Services, database: Env) -> str:
     """A LOGIN member of the migration's NOLOGIN role stock_ledger_reader, on this test's database."""
-    conn = await asyncpg.connect(services.admin_url)
-    try:
-        await conn.execute(f"""
-            DO $$ BEGIN
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{READER}') THEN CREATE ROLE {READER} LOGIN; END IF;
-            EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-            END $$""")
-        await conn.execute(f"ALTER ROLE {READER} PASSWORD '{READER_PASSWORD}'")
-        await conn.execute(f"GRANT stock_ledger_reader TO {READER}")
-    finally:
-        await conn.close()
+    await ensure_login_role(services.admin_url, READER, READER_PASSWORD, "stock_ledger_reader")
     return services.url_for(database.name, user=READER, password=READER_PASSWORD)
 
 
