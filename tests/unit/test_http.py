@@ -13,23 +13,15 @@ import pytest_asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from stock_ledger.domain import RejectCode
 from stock_ledger.health import HttpServer
 from stock_ledger.metrics import Metrics
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-REASONS = (
-    "invalid_json",
-    "invalid_field",
-    "key_mismatch",
-    "sign_mismatch",
-    "duplicate_movement_id",
-    "missing_key",
-    "too_deep",
-    "out_of_range",
-    "database_rejected",
-)
+# The codes themselves are pinned as the contract in test_domain; here: every one of them is exported.
+REASONS = tuple(c.value for c in RejectCode)
 
 
 @dataclass
