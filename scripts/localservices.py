@@ -1,6 +1,6 @@
 """The local services harness the tests and the benches share: the project's own Kafka and PostgreSQL (started by
 scripts/kafka.sh and scripts/postgres.sh), the worker's least-privileged role, URLs, scratch databases and topics,
-and free ports.
+worker processes, and free ports.
 
 Imported as `scripts.localservices` by the tests (the repository root is on their path) and as `localservices` by
 the scripts beside it. The tests keep their own, independent check of the ledger (tests/helpers.py).
@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +28,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_ROLE = "stock_ledger_worker"
@@ -197,6 +200,79 @@ def spawn_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "stock_ledger", "run"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
+
+
+@dataclass
+class WorkerProcess:
+    """One `stock-ledger run` process: its HTTP port (metrics, health), its log and its environment."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    env: dict[str, str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.signal(signal.SIGCONT)  # a SIGSTOPped process dies only once it runs again
+        self.proc.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def get(self, path: str, timeout: float = 2) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except (urllib.error.URLError, OSError):
+            return 0, ""  # not listening (yet, or any more)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample from the real /metrics endpoint (None if absent)."""
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415 - keep this module light
+
+        _, body = self.get("/metrics")
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                    return float(sample.value)
+        return None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def log_tail(self, lines: int) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def start_worker(env: dict[str, str], log: Path) -> WorkerProcess:
+    """`spawn_worker` with its HTTP server on a free port (STOCK_LEDGER_METRICS_PORT)."""
+    port = free_port()
+    env = env | {"STOCK_LEDGER_METRICS_PORT": str(port)}
+    return WorkerProcess(spawn_worker(env, log), port, log, env)
+
+
+async def stop_workers(workers: Sequence[WorkerProcess], grace: float) -> None:
+    """SIGTERM to every worker at once, then wait for each; one still running after `grace` seconds is killed."""
+    for w in workers:
+        w.signal(signal.SIGTERM)
+    for w in workers:
+        try:
+            await asyncio.to_thread(w.wait, grace)
+        except subprocess.TimeoutExpired:
+            w.kill()
 
 
 def _nothing() -> None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,7 +19,15 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from scripts.localservices import drop_database, free_port, kafka_admin, spawn_worker, url_for, worker_env
+from scripts.localservices import (
+    WorkerProcess,
+    drop_database,
+    free_port,  # noqa: F401 - the tests take it from here
+    kafka_admin,
+    start_worker,
+    url_for,
+    worker_env,
+)
 
 
 @dataclass(frozen=True)
@@ -97,58 +103,6 @@ async def scratch_topic(services: Services, partitions: int | None = 24, configs
                 await admin.delete_topics([name])
 
 
-
-
-@dataclass
-class WorkerProcess:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-    env: dict[str, str]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.signal(signal.SIGCONT)  # a SIGSTOPped process dies only once it runs again
-        self.proc.wait(10)
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    def get(self, path: str, timeout: float = 2) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-        except (urllib.error.URLError, OSError):
-            return 0, ""  # not listening (yet, or any more)
-
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """One sample from the real /metrics endpoint (None if absent)."""
-        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
-
-        _, body = self.get("/metrics")
-        for family in text_string_to_metric_families(body):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                    return float(sample.value)
-        return None
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
 @dataclass
 class WorkerPool:
     services: Services
@@ -169,10 +123,8 @@ class WorkerPool:
         } | extra)
 
     def start(self, **extra: str) -> WorkerProcess:
-        port = free_port()
         log = self.logs / f"worker-{len(self.started)}-{uuid.uuid4().hex[:6]}.log"
-        env = self.env(STOCK_LEDGER_METRICS_PORT=str(port), **extra)
-        worker = WorkerProcess(spawn_worker(env, log), port, log, env)
+        worker = start_worker(self.env(**extra), log)
         self.started.append(worker)
         return worker
 
@@ -192,7 +144,7 @@ class WorkerPool:
             assert not offending, f"stack trace in {w.log.name}:\n" + "\n".join(line[:6000] for line in offending[:3])
 
     def logs_tail(self, lines: int = 40) -> str:
-        return "\n".join(f"--- {w.log.name} (exit {w.proc.poll()})\n" + "\n".join(w.log_text().splitlines()[-lines:])
+        return "\n".join(f"--- {w.log.name} (exit {w.proc.poll()})\n" + w.log_tail(lines)
                          for w in self.started)
 
 
