@@ -26,447 +26,166 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import json
 import logging
-import os
-import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
-import psutil
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from stock_ledger.batch import MOVEMENT_COLUMNS, Record, build_batch
-from stock_ledger.config import Settings
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
 import bench_scale
-import localservices
-from bench_scale import E2E, buckets, commit_times, percentile, scrape
-from localservices import Services, discover, free_port, spawn_worker, wait_until, worker_env
-
-from stock_ledger.sink import stored_offsets
+from bench_scale import E2E, buckets, commit_times, percentile
+from benchkit import (
+    DEFAULT_BATCH,
+    PARTITIONS,
+    ROOT,
+    STARTED,
+    Bench,
+    Fleet,
+    Options,
+    bar_svg,
+    environment,
+    run_on_uvloop,
+    say,
+)
+from localservices import discover
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Sequence
-
-ROOT: Final = Path(__file__).resolve().parents[1]
-PARTITIONS: Final = 24
-DEFAULT_BATCH: Final = Settings().batch_max_records  # the worker's default STOCK_LEDGER_BATCH_MAX_RECORDS
-MIB: Final = 1024 * 1024
-LEDGER_TABLES: Final = "stock_movements, rejected_movements, consumer_offsets, stock_levels"
-_STARTED: Final = time.monotonic()
+    from collections.abc import Sequence
 
 
-def say(message: str) -> None:
-    print(f"[bench {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+# ------------------------------------------------------------------------------------------------ 1. raw consume
 
 
-# ------------------------------------------------------------------------------------------------ the run
-
-
-@dataclass
-class Options:
-    count: int
-    naive_count: int
-    repeat: int
-    latency_seconds: float
-    latency_rate: int
-    batch_max_records: int | None
-    batch_sizes: list[int]
-    workers: int
-    timeout: float
-    out: Path
-    svg: Path | None
-
-
-@dataclass
-class Bench:
-    services: Services
-    opts: Options
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    database: str = ""
-    topics: list[str] = field(default_factory=list)
-    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="stock-ledger-bench-")))
-    keep_logs: bool = False
-
-    @property
-    def owner_url(self) -> str:
-        return self.services.url_for(self.database)
-
-    @property
-    def worker_url(self) -> str:
-        return self.services.url_for(self.database, worker=True)
-
-    @property
-    def batch(self) -> int:
-        return self.opts.batch_max_records or DEFAULT_BATCH
-
-    # -------------------------------------------------------------------------------- setup / teardown
-
-    async def create_database(self) -> None:
-        self.database = f"sl_bench_{self.run_id}"
-        await localservices.create_migrated_database(self.services.admin_url, self.database)
-        say(f"database {self.database} created and migrated")
-
-    async def drop_database(self) -> None:
-        if self.database:
-            await localservices.drop_database(self.services.admin_url, self.database)
-
-    async def create_topic(self, label: str) -> str:
-        name = f"warehouse.movements.bench-{self.run_id}-{label}"
-        await localservices.create_topic(self.services.kafka, name, PARTITIONS)
-        self.topics.append(name)
-        return name
-
-    async def delete_topics(self) -> None:
-        await localservices.delete_topics(self.services.kafka, self.topics)
-
-    async def owner(self) -> asyncpg.Connection:
-        return await asyncpg.connect(self.owner_url)
-
-    async def versions(self) -> dict[str, str]:
-        conn = await self.owner()
-        try:
-            postgres = str(await conn.fetchval("SHOW server_version"))
-        finally:
-            await conn.close()
-        kafka = "unknown (KAFKA_BOOTSTRAP_SERVERS)"
-        if self.services.origin == "scripts":
-            script = (ROOT / "scripts" / "kafka.sh").read_text()
-            default = script.split('KAFKA_VERSION="${KAFKA_VERSION:-', 1)[-1].split("}", 1)[0]
-            kafka = f"{os.environ.get('KAFKA_VERSION', default)} (scripts/kafka.sh)"
-        return {"postgresql": postgres, "kafka": kafka, "origin": self.services.origin}
-
-    async def end_offsets(self, topic: str) -> dict[int, int]:
-        return await localservices.end_offsets(self.services.kafka, topic, PARTITIONS)
-
-    async def produce(self, topic: str, count: int, seed: int) -> dict[str, float]:
-        say(f"producing {count:,} movements to {topic}")
-        started = time.perf_counter()
-        await produce(self.services.kafka, topic, count, seed=seed, show_progress=True)
+async def raw_consume(bench: Bench, topic: str, ends: dict[int, int]) -> tuple[dict[str, float], list[tuple[Any, ...]]]:
+    """Read and decode the whole topic; return the rate and the records (for the COPY limit)."""
+    say("raw consume: aiokafka + msgspec over the whole topic, no database")
+    consumer = AIOKafkaConsumer(bootstrap_servers=bench.services.kafka, enable_auto_commit=False,
+                                isolation_level="read_committed")
+    kept: list[tuple[Any, ...]] = []
+    total = sum(ends.values())
+    started = time.perf_counter()
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        remaining = {p for p, end in ends.items() if end > 0}
+        bad = 0
+        while remaining:
+            fetched = await consumer.getmany(timeout_ms=1000, max_records=bench.batch)
+            for tp, records in fetched.items():
+                for r in records:
+                    if not isinstance(parse(r.key, r.value), Movement):
+                        bad += 1
+                    kept.append((r.partition, r.offset, r.timestamp, r.key, r.value))
+                if records and records[-1].offset + 1 >= ends[tp.partition]:
+                    remaining.discard(tp.partition)
         seconds = time.perf_counter() - started
-        return {"produce_seconds": seconds, "produce_rate": count / seconds}
-
-    # -------------------------------------------------------------------------------- 1. raw consume
-
-    async def raw_consume(self, topic: str, ends: dict[int, int]) -> tuple[dict[str, float], list[tuple[Any, ...]]]:
-        """Read and decode the whole topic; return the rate and the records (for the COPY limit)."""
-        say("raw consume: aiokafka + msgspec over the whole topic, no database")
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.services.kafka, enable_auto_commit=False,
-                                    isolation_level="read_committed")
-        kept: list[tuple[Any, ...]] = []
-        total = sum(ends.values())
-        started = time.perf_counter()
-        await consumer.start()
-        try:
-            tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-            consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
-            remaining = {p for p, end in ends.items() if end > 0}
-            bad = 0
-            while remaining:
-                fetched = await consumer.getmany(timeout_ms=1000, max_records=self.batch)
-                for tp, records in fetched.items():
-                    for r in records:
-                        if not isinstance(parse(r.key, r.value), Movement):
-                            bad += 1
-                        kept.append((r.partition, r.offset, r.timestamp, r.key, r.value))
-                    if records and records[-1].offset + 1 >= ends[tp.partition]:
-                        remaining.discard(tp.partition)
-            seconds = time.perf_counter() - started
-        finally:
-            await consumer.stop()
-        if len(kept) != total or bad:
-            raise RuntimeError(f"raw consume read {len(kept)} records ({bad} invalid), expected {total} valid ones")
-        say(f"raw consume: {total:,} in {seconds:.1f}s ({total / seconds:,.0f}/s)")
-        return {"raw_consume_seconds": seconds, "raw_consume_rate": total / seconds}, kept
-
-    # -------------------------------------------------------------------------------- 2. raw COPY
-
-    async def raw_copy(self, topic: str, kept: Sequence[tuple[Any, ...]]) -> dict[str, float]:
-        say(f"raw COPY: {len(kept):,} rows in batches of {self.batch:,} into a copy of stock_movements")
-        conn = await self.owner()
-        copied, timed = 0, 0.0
-        try:
-            await conn.execute("DROP TABLE IF EXISTS bench_copy")
-            await conn.execute("CREATE TABLE bench_copy (LIKE stock_movements INCLUDING ALL)")
-            for start in range(0, len(kept), self.batch):
-                by_partition: dict[int, list[Record]] = {}
-                for p, offset, ts, key, value in kept[start:start + self.batch]:
-                    by_partition.setdefault(p, []).append(Record(p, offset, ts, key, value))
-                rows = build_batch(topic, by_partition, dict.fromkeys(by_partition, 1)).movements
-                began = time.perf_counter()
-                await conn.copy_records_to_table("bench_copy", records=rows, columns=MOVEMENT_COLUMNS)
-                timed += time.perf_counter() - began
-                copied += len(rows)
-            await conn.execute("DROP TABLE bench_copy")
-        finally:
-            await conn.close()
-        say(f"raw COPY: {copied:,} in {timed:.1f}s ({copied / timed:,.0f}/s)")
-        return {"raw_copy_seconds": timed, "raw_copy_rate": copied / timed}
-
-    # -------------------------------------------------------------------------------- 3. the worker
-
-    def worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
-        size = self.opts.batch_max_records
-        batch = {"STOCK_LEDGER_BATCH_MAX_RECORDS": str(size)} if size else {}
-        return worker_env(self.services.kafka, self.worker_url, topic, group,
-                          STOCK_LEDGER_METRICS_PORT=str(free_port()), **batch, **extra)
-
-    async def reset_ledger(self) -> None:
-        conn = await self.owner()
-        try:
-            await conn.execute(f"TRUNCATE {LEDGER_TABLES}")
-        finally:
-            await conn.close()
-
-    async def run_workers(self, topic: str, label: str, workers: int = 1,
-                          extra_env: dict[str, str] | None = None,
-                          while_running: Callable[[Fleet], Coroutine[Any, Any, None]] | None = None) -> Fleet:
-        """Start `workers` worker processes on a fresh ledger and wait until they drain `topic`."""
-        await self.reset_ledger()
-        group = f"bench-{self.run_id}-{label}"
-        fleet = Fleet(self, topic, group, label)
-        ends = await self.end_offsets(topic)
-        fleet.start(workers, extra_env or {})
-        try:
-            if while_running is not None:
-                await while_running(fleet)
-                ends = await self.end_offsets(topic)
-            await fleet.wait_drained(ends, self.opts.timeout)
-        except BaseException:
-            self.keep_logs = True
-            fleet.kill()
-            raise
-        await fleet.stop()
-        await fleet.verify(sum(ends.values()))
-        return fleet
-
-    async def worker(self, topic: str, label: str, workers: int, count: int,
-                     extra_env: dict[str, str] | None = None) -> dict[str, float]:
-        say(f"worker x{workers} ({label}): draining {count:,} movements")
-        fleet = await self.run_workers(topic, label, workers, extra_env)
-        result = fleet.summary(count)
-        say(f"worker x{workers} ({label}): {count:,} in {result['seconds']:.1f}s ({result['rate']:,.0f}/s, "
-            f"steady {result['steady_rate']:,.0f}/s), peak RSS {result['peak_rss_mib']:.0f} MiB, "
-            f"{result['cpu_seconds_per_100k']:.2f} CPU s per 100k")
-        return result
-
-    # -------------------------------------------------------------------------------- 4. naive baseline
-
-    async def naive(self, topic: str, count: int) -> dict[str, float]:
-        """The classic loop: auto-commit consumer, one INSERT per record, each its own transaction."""
-        say(f"naive: auto-commit consumer, one INSERT per record, {count:,} records")
-        conn = await self.owner()
-        await conn.execute("DROP TABLE IF EXISTS naive_movements")
-        await conn.execute("CREATE TABLE naive_movements (LIKE stock_movements INCLUDING ALL)")
-        values = ", ".join(f"${i}" for i in range(1, len(MOVEMENT_COLUMNS) + 1))
-        insert = f"INSERT INTO naive_movements ({', '.join(MOVEMENT_COLUMNS)}) VALUES ({values})"
-        group = f"bench-{self.run_id}-naive-{uuid.uuid4().hex[:6]}"
-        consumer = AIOKafkaConsumer(topic, bootstrap_servers=self.services.kafka, group_id=group,
-                                    enable_auto_commit=True, auto_offset_reset="earliest")
-        await consumer.start()
-        done, started = 0, 0.0
-        try:
-            async for r in consumer:
-                if done == 0:
-                    started = time.perf_counter()
-                m = parse(r.key, r.value)
-                if isinstance(m, Movement):
-                    await conn.execute(insert, m.movement_id, m.warehouse_id, m.sku, m.qty, m.kind, m.occurred_at,
-                                       r.topic, r.partition, r.offset, datetime.fromtimestamp(r.timestamp / 1000, UTC))
-                done += 1
-                if done >= count:
-                    break
-            seconds = time.perf_counter() - started
-        finally:
-            await consumer.stop()
-            await conn.execute("DROP TABLE naive_movements")
-            await conn.close()
-        say(f"naive: {done:,} in {seconds:.1f}s ({done / seconds:,.0f}/s)")
-        return {"naive_seconds": seconds, "naive_rate": done / seconds}
-
-    # -------------------------------------------------------------------------------- 6. latency
-
-    async def latency(self) -> dict[str, float]:
-        rate, seconds = self.opts.latency_rate, self.opts.latency_seconds
-        count = int(rate * seconds)
-        topic = await self.create_topic(f"latency-{len(self.topics)}")
-        say(f"latency: one caught-up worker, {count:,} movements produced at {rate:,}/s")
-
-        async def load(fleet: Fleet) -> None:
-            await fleet.wait_claimed(60)
-            await asyncio.sleep(1)  # the first fetches after the seek
-            await produce(self.services.kafka, topic, count, rate=rate, seed=3, show_progress=True)
-
-        # Debug level adds one `batch.committed` line per batch: its timestamp is the commit as the worker saw it.
-        fleet = await self.run_workers(topic, "latency", 1, {"STOCK_LEDGER_LOG_LEVEL": "debug"}, while_running=load)
-        result = await latency_from(self.owner_url, fleet)
-        say(f"latency at {rate:,}/s: p50 {result['latency_p50_ms']:.0f} ms, p99 {result['latency_p99_ms']:.0f} ms "
-            f"(to the start of the batch transaction: p50 {result['latency_txn_start_p50_ms']:.0f} ms, p99 "
-            f"{result['latency_txn_start_p99_ms']:.0f} ms)")
-        return result
+    finally:
+        await consumer.stop()
+    if len(kept) != total or bad:
+        raise RuntimeError(f"raw consume read {len(kept)} records ({bad} invalid), expected {total} valid ones")
+    say(f"raw consume: {total:,} in {seconds:.1f}s ({total / seconds:,.0f}/s)")
+    return {"raw_consume_seconds": seconds, "raw_consume_rate": total / seconds}, kept
 
 
-# ------------------------------------------------------------------------------------------------ workers
+# ------------------------------------------------------------------------------------------------ 2. raw COPY
 
 
-@dataclass
-class Proc:
-    popen: subprocess.Popen[bytes]
-    ps: psutil.Process
-    port: int
-    log: Path
-    peak_rss: int = 0
-    cpu: float = 0.0
-
-    def sample(self) -> None:
-        with contextlib.suppress(psutil.Error):
-            self.peak_rss = max(self.peak_rss, self.ps.memory_info().rss)
-            times = self.ps.cpu_times()
-            self.cpu = times.user + times.system
-
-
-@dataclass
-class Fleet:
-    bench: Bench
-    topic: str
-    group: str
-    label: str
-    procs: list[Proc] = field(default_factory=list)
-    started: float = 0.0
-    first_commit: float | None = None
-    drained: float = 0.0
-    metrics: dict[str, Any] = field(default_factory=dict)
-    _sampler: asyncio.Task[None] | None = None
-
-    def start(self, workers: int, extra_env: dict[str, str]) -> None:
-        self.started = time.perf_counter()
-        for i in range(workers):
-            env = self.bench.worker_env(self.topic, self.group, extra_env)
-            log = self.bench.logs / f"{self.label}-{i}.log"
-            popen = spawn_worker(env, log)
-            self.procs.append(Proc(popen, psutil.Process(popen.pid), int(env["STOCK_LEDGER_METRICS_PORT"]), log))
-        self._sampler = asyncio.create_task(self._sample())
-
-    async def _sample(self) -> None:
-        while True:
-            for p in self.procs:
-                p.sample()
-            await asyncio.sleep(0.1)
-
-    def _check_alive(self) -> None:
-        for p in self.procs:
-            if p.popen.poll() is not None:
-                tail = "\n".join(p.log.read_text(errors="replace").splitlines()[-20:])
-                raise RuntimeError(f"worker {p.log.name} exited with {p.popen.returncode}:\n{tail}")
-
-    async def wait_claimed(self, within: float) -> None:
-        conn = await self.bench.owner()
-
-        async def claimed() -> bool:
-            return len(await stored_offsets(conn, self.group, self.topic)) >= PARTITIONS
-
-        try:
-            await wait_until(claimed, within, f"the worker did not claim the partitions within {within:g}s",
-                             check=self._check_alive)
-        finally:
-            await conn.close()
-
-    async def wait_drained(self, ends: dict[int, int], within: float) -> None:
-        total = sum(ends.values())
-        conn = await self.bench.owner()
-        deadline = time.monotonic() + within
-        last_say = time.monotonic()
-        try:
-            while True:
-                stored = await stored_offsets(conn, self.group, self.topic)
-                applied = sum(min(stored.get(p) or 0, end) for p, end in ends.items())
-                now = time.perf_counter()
-                if applied and self.first_commit is None:
-                    self.first_commit = now
-                if applied >= total:
-                    self.drained = now
-                    return
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not drained after {within:g}s: {applied:,}/{total:,}")
-                if time.monotonic() - last_say > 5:
-                    last_say = time.monotonic()
-                    say(f"  {self.label}: {applied:,}/{total:,} applied, {applied / (now - self.started):,.0f}/s")
-                await asyncio.sleep(0.1)
-        finally:
-            await conn.close()
-
-    async def stop(self) -> None:
-        for p in self.procs:
-            p.sample()
-        if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sampler
-        with contextlib.suppress(OSError):
-            self.metrics = await asyncio.to_thread(scrape, self.procs[0].port)
-        for p in self.procs:
-            p.popen.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                await asyncio.to_thread(p.popen.wait, 30)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait(10)
-
-    def kill(self) -> None:
-        if self._sampler is not None:
-            self._sampler.cancel()
-        for p in self.procs:
-            if p.popen.poll() is None:
-                p.popen.kill()
-                p.popen.wait(10)
-
-    async def verify(self, expected: int) -> None:
-        conn = await self.bench.owner()
-        try:
-            rows = await conn.fetchval("SELECT count(*) FROM stock_movements WHERE kafka_topic = $1", self.topic)
-            rejected = await conn.fetchval("SELECT count(*) FROM rejected_movements")
-        finally:
-            await conn.close()
-        if (rows, rejected) != (expected, 0):
-            raise RuntimeError(f"{self.label}: ledger holds {rows} movements and {rejected} rejects, "
-                               f"expected {expected} and 0")
-
-    def summary(self, count: int) -> dict[str, float]:
-        seconds = self.drained - self.started
-        steady = self.drained - (self.first_commit or self.started)
-        cpu = sum(p.cpu for p in self.procs)
-        return {
-            "seconds": seconds,
-            "rate": count / seconds,
-            "steady_rate": count / steady if steady > 0 else 0.0,
-            "peak_rss_mib": max(p.peak_rss for p in self.procs) / MIB,
-            "cpu_seconds": cpu,
-            "cpu_seconds_per_100k": cpu / count * 100_000,
-        }
+async def raw_copy(bench: Bench, topic: str, kept: Sequence[tuple[Any, ...]]) -> dict[str, float]:
+    say(f"raw COPY: {len(kept):,} rows in batches of {bench.batch:,} into a copy of stock_movements")
+    conn = await bench.owner()
+    copied, timed = 0, 0.0
+    try:
+        await conn.execute("DROP TABLE IF EXISTS bench_copy")
+        await conn.execute("CREATE TABLE bench_copy (LIKE stock_movements INCLUDING ALL)")
+        for start in range(0, len(kept), bench.batch):
+            by_partition: dict[int, list[Record]] = {}
+            for p, offset, ts, key, value in kept[start:start + bench.batch]:
+                by_partition.setdefault(p, []).append(Record(p, offset, ts, key, value))
+            rows = build_batch(topic, by_partition, dict.fromkeys(by_partition, 1)).movements
+            began = time.perf_counter()
+            await conn.copy_records_to_table("bench_copy", records=rows, columns=MOVEMENT_COLUMNS)
+            timed += time.perf_counter() - began
+            copied += len(rows)
+        await conn.execute("DROP TABLE bench_copy")
+    finally:
+        await conn.close()
+    say(f"raw COPY: {copied:,} in {timed:.1f}s ({copied / timed:,.0f}/s)")
+    return {"raw_copy_seconds": timed, "raw_copy_rate": copied / timed}
 
 
-# ------------------------------------------------------------------------------------------------ latency
+# ------------------------------------------------------------------------------------------------ 4. naive baseline
+
+
+async def naive(bench: Bench, topic: str, count: int) -> dict[str, float]:
+    """The classic loop: auto-commit consumer, one INSERT per record, each its own transaction."""
+    say(f"naive: auto-commit consumer, one INSERT per record, {count:,} records")
+    conn = await bench.owner()
+    await conn.execute("DROP TABLE IF EXISTS naive_movements")
+    await conn.execute("CREATE TABLE naive_movements (LIKE stock_movements INCLUDING ALL)")
+    values = ", ".join(f"${i}" for i in range(1, len(MOVEMENT_COLUMNS) + 1))
+    insert = f"INSERT INTO naive_movements ({', '.join(MOVEMENT_COLUMNS)}) VALUES ({values})"
+    group = f"bench-{bench.run_id}-naive-{uuid.uuid4().hex[:6]}"
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bench.services.kafka, group_id=group,
+                                enable_auto_commit=True, auto_offset_reset="earliest")
+    await consumer.start()
+    done, started = 0, 0.0
+    try:
+        async for r in consumer:
+            if done == 0:
+                started = time.perf_counter()
+            m = parse(r.key, r.value)
+            if isinstance(m, Movement):
+                await conn.execute(insert, m.movement_id, m.warehouse_id, m.sku, m.qty, m.kind, m.occurred_at,
+                                   r.topic, r.partition, r.offset, datetime.fromtimestamp(r.timestamp / 1000, UTC))
+            done += 1
+            if done >= count:
+                break
+        seconds = time.perf_counter() - started
+    finally:
+        await consumer.stop()
+        await conn.execute("DROP TABLE naive_movements")
+        await conn.close()
+    say(f"naive: {done:,} in {seconds:.1f}s ({done / seconds:,.0f}/s)")
+    return {"naive_seconds": seconds, "naive_rate": done / seconds}
+
+
+# ------------------------------------------------------------------------------------------------ 6. latency
+
+
+async def latency(bench: Bench) -> dict[str, float]:
+    rate, seconds = bench.opts.latency_rate, bench.opts.latency_seconds
+    count = int(rate * seconds)
+    topic = await bench.create_topic(f"latency-{len(bench.topics)}")
+    say(f"latency: one caught-up worker, {count:,} movements produced at {rate:,}/s")
+
+    async def load(fleet: Fleet) -> None:
+        await fleet.wait_claimed(60)
+        await asyncio.sleep(1)  # the first fetches after the seek
+        await produce(bench.services.kafka, topic, count, rate=rate, seed=3, show_progress=True)
+
+    # Debug level adds one `batch.committed` line per batch: its timestamp is the commit as the worker saw it.
+    fleet = await bench.run_workers(topic, "latency", 1, {"STOCK_LEDGER_LOG_LEVEL": "debug"}, while_running=load)
+    result = await latency_from(bench.owner_url, fleet)
+    say(f"latency at {rate:,}/s: p50 {result['latency_p50_ms']:.0f} ms, p99 {result['latency_p99_ms']:.0f} ms "
+        f"(to the start of the batch transaction: p50 {result['latency_txn_start_p50_ms']:.0f} ms, p99 "
+        f"{result['latency_txn_start_p99_ms']:.0f} ms)")
+    return result
 
 
 async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
@@ -480,7 +199,7 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
                    extract(epoch FROM applied_at)::float8 FROM stock_movements""")
     finally:
         await conn.close()
-    commits = commit_times(p.log for p in fleet.procs)
+    commits = commit_times(p.worker.log for p in fleet.procs)
     to_commit: list[float] = []
     to_txn_start = [1000 * (r[3] - r[2]) for r in rows]
     for partition, offset, kafka_ts, _ in rows:
@@ -525,15 +244,15 @@ async def measure(bench: Bench) -> dict[str, Any]:
     for r in range(o.repeat):
         say(f"=== repetition {r + 1}/{o.repeat}")
         run: dict[str, float] = {}
-        consumed, kept = await bench.raw_consume(topic, ends)
+        consumed, kept = await raw_consume(bench, topic, ends)
         run |= consumed
-        run |= await bench.raw_copy(topic, kept)
+        run |= await raw_copy(bench, topic, kept)
         del kept
         run |= prefixed("worker_", await bench.worker(topic, f"w1-{r}", 1, o.count))
         run |= prefixed(f"worker{o.workers}_", await bench.worker(topic, f"w{o.workers}-{r}", o.workers, o.count))
         run |= prefixed("small_worker_", await bench.worker(small, f"small-{r}", 1, small_count))
-        run |= await bench.naive(topic, min(o.naive_count, o.count))
-        run |= await bench.latency()
+        run |= await naive(bench, topic, min(o.naive_count, o.count))
+        run |= await latency(bench)
         runs.append(run)
     sweep = await batch_sweep(bench, topic) if o.batch_sizes else []
     return {"produce": produced, "runs": runs, "batch_sweep": sweep, "services": await bench.versions()}
@@ -590,34 +309,6 @@ def summarise(opts: Options, measured: dict[str, Any]) -> dict[str, Any]:
         ),
         "batch_sweep": measured["batch_sweep"],
     }
-
-
-def environment(opts: Options) -> dict[str, Any]:
-    def v(dist: str) -> str:
-        try:
-            return version(dist)
-        except Exception:
-            return "absent"
-
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": {d: v(d) for d in ("stock-ledger", "aiokafka", "asyncpg", "msgspec", "uvloop", "psutil")},
-        "options": {k: (str(x) if isinstance(x, Path) else x) for k, x in vars(opts).items()},
-    }
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -677,49 +368,6 @@ def svg_chart(sweep: Sequence[dict[str, float]], limit: float) -> str:
                    [(limit, "min(raw consume, raw COPY)"), (limit / 2, "target: 0.5 x that")])
 
 
-def bar_svg(title: str, bars: Sequence[tuple[str, float]], x_label: str,
-            lines: Sequence[tuple[float, str]] = ()) -> str:
-    """A hand-written bar chart (no plotting dependency): one labelled bar per value, optional reference lines."""
-    width, height, left, bottom, top = 640, 360, 80, 50, 40
-    top_value = max([v for _, v in bars] + [v for v, _ in lines] + [1.0]) * 1.15
-    plot_h, slot = height - bottom - top, (width - left - 20) / max(1, len(bars))
-
-    def y(value: float) -> float:
-        return top + plot_h * (1 - value / top_value)
-
-    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             'font-size="12">'),
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
-    for i in range(5):
-        value = top_value * i / 4
-        parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
-    for i, (label, value) in enumerate(bars):
-        x = left + i * slot + slot * 0.2
-        parts += [
-            (f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{top + plot_h - y(value):.1f}" '
-            'fill="#4878a8"/>'),
-            f'<text x="{x + slot * 0.3:.1f}" y="{y(value) - 4:.1f}" text-anchor="middle">{value:,.0f}</text>',
-            f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>',
-        ]
-    for value, label in lines:
-        parts += [(f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
-                  'stroke-dasharray="6 4"/>'),
-                  f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>']
-    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>', "</svg>"]
-    return "\n".join(parts) + "\n"
-
-
-def keep_partial(out: Path, measured: dict[str, Any]) -> None:
-    """A failed run keeps what it measured so far beside --out, as <stem>-partial.json."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.stem + "-partial.json")
-    partial.write_text(json.dumps(measured, indent=2, default=str) + "\n")
-    say(f"failed: what was measured so far is in {partial}")
-
-
 # ------------------------------------------------------------------------------------------------ CLI
 
 
@@ -772,7 +420,7 @@ async def main(opts: Options) -> int:
         else:
             shutil.rmtree(bench.logs, ignore_errors=True)
     summary = summarise(opts, measured)
-    summary["meta"]["elapsed_seconds"] = round(time.monotonic() - _STARTED, 1)
+    summary["meta"]["elapsed_seconds"] = round(time.monotonic() - STARTED, 1)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(summary, indent=2) + "\n")
     if opts.svg is not None and measured["batch_sweep"]:
@@ -796,13 +444,7 @@ def run() -> int:
         from peer_bench import run as run_peer  # noqa: PLC0415 - only this mode needs it
 
         return run_peer(sys.argv[3 if sys.argv[1] == "--peer" else 2:])
-    opts = parse_args()
-    try:
-        import uvloop  # noqa: PLC0415 - the worker runs on uvloop, so the limits are measured on it too
-    except ImportError:
-        return asyncio.run(main(opts))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main(opts))
+    return run_on_uvloop(main(parse_args()))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 One run = one fresh database and one backlog topic (24 partitions) of `--backlog` movements, produced once.
 
 1. scale-out  the backlog drained by 1, 2, 3 and 6 worker processes (`--workers`), each time on an empty ledger;
-              time from the first spawn to every stored offset at the log end (bench.Fleet, as in scripts/bench.py).
+              time from the first spawn to every stored offset at the log end (benchkit.Fleet, as in scripts/bench.py).
 2. growth     the ledger preloaded to each of `--sizes` movements (server-side `INSERT … SELECT generate_series`
               in chunks of 1M: random v4 UUIDs like real ids, the producer's warehouses/SKUs, another topic name,
               stock_levels made to match), then at each size: the backlog drained by one worker on top of it,
@@ -19,7 +19,6 @@ runs for minutes): `.venv/bin/python scripts/ledger_bench.py --sizes 0,1000000,5
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
-from bench import ROOT, Bench, Fleet, Options, bar_svg, environment, keep_partial, say
+from benchkit import ROOT, Bench, Options, bar_svg, environment, keep_partial, run_on_uvloop, say
 from localservices import discover
 
 if TYPE_CHECKING:
@@ -124,21 +123,10 @@ def scaling_efficiency(rates: dict[int, float]) -> dict[int, float]:
 # ------------------------------------------------------------------------------------------------ measurements
 
 
-async def drain(  # noqa: PLR0913, PLR0917 - one call site per curve, all positional reads fine
-    bench: Bench, topic: str, label: str, workers: int, count: int, within: float,
-) -> dict[str, float]:
-    """`workers` processes drain `topic` on top of whatever the ledger holds (no TRUNCATE, unlike run_workers)."""
-    fleet = Fleet(bench, topic, f"ledger-{bench.run_id}-{label}", label)
-    ends = await bench.end_offsets(topic)
-    fleet.start(workers, {})
-    try:
-        await fleet.wait_drained(ends, within)
-    except BaseException:
-        bench.keep_logs = True
-        fleet.kill()
-        raise
-    await fleet.stop()
-    await fleet.verify(count)
+async def drain(bench: Bench, topic: str, label: str, workers: int, count: int) -> dict[str, float]:
+    """`workers` processes drain `topic` (within --timeout) on top of whatever the ledger holds (no TRUNCATE,
+    unlike bench.py's drains)."""
+    fleet = await bench.run_workers(topic, label, workers, group=f"ledger-{bench.run_id}-{label}", fresh=False)
     result = fleet.summary(count)
     say(f"  {label}: x{workers} {count:,} in {result['seconds']:.1f}s ({result['rate']:,.0f}/s from spawn, "
         f"{result['steady_rate']:,.0f}/s from first commit), peak RSS {result['peak_rss_mib']:.0f} MiB, "
@@ -230,7 +218,7 @@ async def scaleout(bench: Bench, topic: str, o: LedgerOptions) -> list[dict[str,
         runs = []
         for r in range(o.repeat):
             await bench.reset_ledger()
-            runs.append(await drain(bench, topic, f"scale-x{n}-{r}", n, o.backlog, o.timeout))
+            runs.append(await drain(bench, topic, f"scale-x{n}-{r}", n, o.backlog))
         results.append({"workers": float(n), **median_of(runs)})
     return results
 
@@ -250,7 +238,7 @@ async def growth(bench: Bench, topic: str, o: LedgerOptions, deadline: float | N
         runs = []
         for r in range(o.repeat):
             before = await io_counters(bench)
-            runs.append(await drain(bench, topic, f"growth-{size}-{r}", 1, o.backlog, o.timeout))
+            runs.append(await drain(bench, topic, f"growth-{size}-{r}", 1, o.backlog))
             after = await io_counters(bench)
             runs[-1] |= {f"{k}_per_movement": (after[k] - before[k]) / o.backlog for k in before}
             timed = {} if o.skip_scans else await scans(bench)
@@ -363,10 +351,7 @@ async def main(o: LedgerOptions, deadline: float | None) -> int:
 
 def run() -> int:
     opts, deadline = parse_args()
-    import uvloop  # noqa: PLC0415 - like bench.py: the worker runs on uvloop
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main(opts, deadline))
+    return run_on_uvloop(main(opts, deadline))
 
 
 if __name__ == "__main__":

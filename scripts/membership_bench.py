@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Final
 import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, say
+from benchkit import ROOT, say
 from localservices import (
     Services,
     create_migrated_database,

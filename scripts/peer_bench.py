@@ -46,8 +46,8 @@ from urllib.parse import urlsplit
 import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
-from bench import ROOT, Bench, Options, bar_svg, environment, keep_partial, say
-from localservices import discover, free_port, spawn_worker, wait_until
+from benchkit import ROOT, Bench, Options, bar_svg, environment, keep_partial, run_on_uvloop, say
+from localservices import discover, free_port, start_worker, wait_until
 
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
@@ -326,7 +326,7 @@ async def drill_ours(  # noqa: C901 - one scenario read top to bottom: spawn, ki
     popen: subprocess.Popen[bytes] | None = None
 
     def spawn(i: int) -> subprocess.Popen[bytes]:
-        return spawn_worker(bench.worker_env(topic, group, {}), logs / f"drill-{i}.log")
+        return start_worker(bench.worker_env(topic, group, {}), logs / f"drill-{i}.log").proc
 
     def check() -> None:
         if popen is not None and popen.poll() is not None:
@@ -515,11 +515,7 @@ async def main(o: PeerOptions) -> int:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    opts = parse_args(argv)
-    import uvloop  # noqa: PLC0415 - like bench.py: the worker runs on uvloop
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main(opts))
+    return run_on_uvloop(main(parse_args(argv)))
 
 
 if __name__ == "__main__":
