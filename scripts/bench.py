@@ -29,7 +29,6 @@ import bisect
 import json
 import logging
 import shutil
-import statistics
 import sys
 import time
 import uuid
@@ -58,6 +57,7 @@ from benchkit import (
     Options,
     bar_svg,
     environment,
+    median_of,
     run_on_uvloop,
     say,
 )
@@ -273,7 +273,7 @@ async def batch_sweep(bench: Bench, topic: str) -> list[dict[str, float]]:
 
 def summarise(opts: Options, measured: dict[str, Any]) -> dict[str, Any]:
     runs: list[dict[str, float]] = measured["runs"]
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    med = median_of(runs)
     limit = min(med["raw_consume_rate"], med["raw_copy_rate"])
     w = f"worker{opts.workers}_"
     rss_n, rss_small = med["worker_peak_rss_mib"], med["small_worker_peak_rss_mib"]

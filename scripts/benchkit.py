@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -335,6 +336,11 @@ class Fleet:
 
 
 # ------------------------------------------------------------------------------------------------ results
+
+
+def median_of(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over repeated runs (keys of the first run)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def environment(opts: Options) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
-from benchkit import ROOT, Bench, Options, bar_svg, environment, keep_partial, run_on_uvloop, say
+from benchkit import ROOT, Bench, Options, bar_svg, environment, keep_partial, median_of, run_on_uvloop, say
 from localservices import discover
 
 if TYPE_CHECKING:
@@ -97,11 +96,6 @@ class LedgerOptions:
     skip_scaleout: bool
     skip_scans: bool
     out: Path
-
-
-def median_of(runs: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Per key, the median over repeated runs (keys of the first run)."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def per_million(size_bytes: float, rows: int) -> float:

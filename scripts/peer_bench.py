@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import string
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from urllib.parse import urlsplit
 import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
-from benchkit import ROOT, Bench, Options, bar_svg, environment, keep_partial, run_on_uvloop, say
+from benchkit import ROOT, Bench, Options, bar_svg, environment, keep_partial, median_of, run_on_uvloop, say
 from localservices import discover, free_port, start_worker, wait_until
 
 from stock_ledger.domain import Movement, parse
@@ -440,7 +439,7 @@ async def measure(o: PeerOptions) -> dict[str, Any]:
 
 def summarise(o: PeerOptions, measured: dict[str, Any]) -> dict[str, Any]:
     runs = measured["runs"]
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
+    med = median_of(runs) if runs else {}
     ratios = {f"ours_vs_connect_{m}": med["ours_rate"] / med[f"connect_{m}_rate"] for m in o.modes} if runs else {}
     ratios_first_run = {f"ours_vs_connect_{m}": runs[0]["ours_rate"] / runs[0][f"connect_{m}_rate"]
                         for m in o.modes} if runs else {}
