@@ -82,6 +82,12 @@ class Options:
     out: Path
     svg: Path | None
 
+    @classmethod
+    def drains_only(cls, count: int, repeat: int, timeout: float, out: Path) -> Options:
+        """A bench that only drains with the real worker (ledger_bench, peer_bench): the fields of bench.py's own
+        measurements stay at the values their results have always recorded."""
+        return cls(count, 1, repeat, 0, 1, None, [], 1, timeout, out, None)
+
 
 @dataclass
 class Bench:

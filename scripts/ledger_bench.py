@@ -303,7 +303,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[LedgerOptions, float 
 async def main(o: LedgerOptions, deadline: float | None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    bench_opts = Options(o.backlog, 1, o.repeat, 0, 1, None, [], 1, o.timeout, o.out, None)
+    bench_opts = Options.drains_only(o.backlog, o.repeat, o.timeout, o.out)
     bench = Bench(discover(), bench_opts)
     say(f"run {bench.run_id}: backlog {o.backlog:,}, sizes {o.sizes}, workers {o.workers}; logs in {bench.logs}")
     summary: dict[str, Any] = {"backlog": o.backlog, "repeat": o.repeat, "scaleout": [], "growth": []}

@@ -392,7 +392,7 @@ class PeerOptions:
 
 async def measure(o: PeerOptions) -> dict[str, Any]:
     libs, plugins = await asyncio.to_thread(resolve_artifacts)
-    bench = Bench(discover(), Options(o.count, 1, o.repeat, 0, 1, None, [], 1, o.timeout, o.out, None))
+    bench = Bench(discover(), Options.drains_only(o.count, o.repeat, o.timeout, o.out))
     say(f"run {bench.run_id}: N={o.count:,}, modes {o.modes}; logs in {bench.logs}")
     state = bench.logs / "connect"
     result: dict[str, Any] = {"runs": [], "drill": []}
@@ -443,7 +443,7 @@ def summarise(o: PeerOptions, measured: dict[str, Any]) -> dict[str, Any]:
     ratios = {f"ours_vs_connect_{m}": med["ours_rate"] / med[f"connect_{m}_rate"] for m in o.modes} if runs else {}
     ratios_first_run = {f"ours_vs_connect_{m}": runs[0]["ours_rate"] / runs[0][f"connect_{m}_rate"]
                         for m in o.modes} if runs else {}
-    return {"meta": environment(Options(o.count, 1, o.repeat, 0, 1, None, [], 1, o.timeout, o.out, None))
+    return {"meta": environment(Options.drains_only(o.count, o.repeat, o.timeout, o.out))
             | {"peer_options": {k: str(v) for k, v in vars(o).items()}, "services": measured.get("services"),
                "connect": {"kafka_connect": KAFKA_VERSION, "sink": DEBEZIUM}},
             "runs": runs, "median": med, "ratios": ratios, "ratios_first_run": ratios_first_run,
