@@ -65,16 +65,22 @@ ready() {
   else "$(pg_bin)/pg_isready" -q -h "$state/run" -p "$PGPORT" 2>/dev/null; fi
 }
 
+# Sized for a ledger that grows (README, "As the ledger grows"): the unique indexes of tens of millions of movements
+# stay in shared_buffers, and checkpoints are rare enough that a random movement_id leaf is not re-imaged in the WAL
+# after every one. fsync stays on: durability is what we test. Needs a restart to take effect.
+SIZING=$'shared_buffers = 2GB\nmax_wal_size = 8GB\ncheckpoint_timeout = 15min\nwal_compression = lz4\n'
+
 start_cluster() {
   if as_root; then
     local ver; ver="$(basename "$(dirname "$(pg_bin)")")"
     if ! pg_lsclusters -h 2>/dev/null | awk '{print $2}' | grep -qx stockledger; then
       log "creating Debian cluster $ver/stockledger on port $PGPORT"
       pg_createcluster "$ver" stockledger --port "$PGPORT" -- --auth-local=peer --auth-host=scram-sha-256 >/dev/null
-      # Enough connections for several workers plus tests; fsync stays on: durability is what we test.
+      # Enough connections for several workers plus tests.
       printf "max_connections = 300\nlisten_addresses = '127.0.0.1'\n" \
         >"/etc/postgresql/$ver/stockledger/conf.d/stock-ledger.conf"
     fi
+    printf '%s' "$SIZING" >"/etc/postgresql/$ver/stockledger/conf.d/stock-ledger-sizing.conf"
     log "starting cluster $ver/stockledger"
     pg_ctlcluster "$ver" stockledger start
   else
@@ -85,10 +91,21 @@ start_cluster() {
     fi
     log "starting private cluster on 127.0.0.1:$PGPORT"
     "$(pg_bin)/pg_ctl" -D "$state/data" -l "$state/postgres.log" -w \
-      -o "-p $PGPORT -k $state/run -c listen_addresses=127.0.0.1 -c max_connections=300" start >/dev/null
+      -o "-p $PGPORT -k $state/run -c listen_addresses=127.0.0.1 -c max_connections=300 $(sizing_options)" \
+      start >/dev/null
   fi
   for _ in $(seq 1 60); do ready && return; sleep 0.5; done
   log "PostgreSQL did not become ready within 30 s"; exit 1
+}
+
+sizing_options() { sed -E 's/^([a-z_]+) = (.*)$/-c \1=\2/' <<<"$SIZING" | tr '\n' ' '; }
+
+# A cluster started before the sizing existed keeps running as it is (others may be using it): say how to apply it.
+check_sizing() {
+  local now; now="$(psql_admin -tAc "SHOW shared_buffers" 2>/dev/null || true)"
+  if [[ -n "$now" && "$now" != "2GB" ]]; then
+    log "note: running with shared_buffers=$now, not the scripts' 2GB sizing; 'scripts/postgres.sh restart' applies it"
+  fi
 }
 
 ensure_roles() {
@@ -155,7 +172,7 @@ start() {
     return
   fi
   ensure_installed
-  if ready; then log "already running on port $PGPORT"; else start_cluster; fi
+  if ready; then log "already running on port $PGPORT"; check_sizing; else start_cluster; fi
   ensure_roles
   ensure_tls
   log "ready: $(owner_url | sed 's/:[^:@]*@/:***@/')"
