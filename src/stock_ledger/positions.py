@@ -119,7 +119,7 @@ class PositionMonitor:
         if self._kafka.assignment() != set(tps):
             self._kafka.assign(tps)
             self._kafka.pause(*tps)
-        # The order matters while workers commit: Kafka's advisory commit follows each database commit, so reading
+        # The order matters while workers commit: Kafka hears only offsets already committed in the database, so reading
         # it first keeps drift >= 0; the log ends only grow, so reading them after the stored offsets keeps
         # end >= stored (no phantom hole "past the log end").
         committed = await self._admin.list_consumer_group_offsets(s.group_id)
