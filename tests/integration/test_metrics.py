@@ -233,12 +233,7 @@ async def test_kafka_hears_the_stored_offsets_within_seconds_never_ahead_and_at_
 
         async def told() -> bool:
             return await _kafka_committed(services.kafka, workers.group) == stored
-        deadline = asyncio.get_running_loop().time() + 10
-        while not await told():
-            assert asyncio.get_running_loop().time() < deadline, (
-                f"Kafka's committed offsets did not reach the stored ones within 10 s of the drain: "
-                f"{await _kafka_committed(services.kafka, workers.group)} vs {stored}")
-            await asyncio.sleep(0.2)
+        await eventually(told, 10, f"Kafka's committed offsets to reach the stored ones {stored}", workers)
 
         # More movements and, while the worker applies them, a graceful stop: whatever it committed in its last
         # second reaches Kafka by its final advisory commit (else Kafka would stay behind until the next owner's).
