@@ -1,9 +1,11 @@
 // A load generator for scripts/bench_scale.py, run as a single-file source with the project's Kafka jars:
-//   java -cp '<kafka libs>/*' scripts/FastProducer.java BOOTSTRAP TOPIC COUNT PARTITIONS [RATE]
+//   java -cp '<kafka libs>/*' scripts/FastProducer.java BOOTSTRAP TOPIC COUNT PARTITIONS [RATE | sparse]
 // Without RATE: COUNT tiny records round robin over PARTITIONS, as fast as possible (verify reads offsets only).
 // With RATE: COUNT valid movements (keyed by SKU) at a steady RATE per second, paced every millisecond; a Python
 // producer on a busy machine falls behind and stamps records long before it sends them, which is not the ledger's
 // latency.
+// With "sparse": COUNT valid movements as fast as possible, one record per record batch: the log a steady, modest
+// rate leaves (the soak's), and the most objects per byte a reader of the topic can be handed.
 import java.nio.charset.StandardCharsets;
 import java.util.Properties;
 import java.util.Random;
@@ -14,13 +16,17 @@ import org.apache.kafka.common.serialization.ByteArraySerializer;
 
 public class FastProducer {
     public static void main(String[] a) throws Exception {
-        boolean paced = a.length > 4;
+        boolean sparse = a.length > 4 && a[4].equals("sparse");
+        boolean paced = a.length > 4 && !sparse;
         Properties p = new Properties();
         p.put("bootstrap.servers", a[0]);
         p.put("acks", paced ? "all" : "1");
-        p.put("linger.ms", paced ? "5" : "20");
-        p.put("batch.size", String.valueOf(paced ? 512 << 10 : 1 << 20));
-        p.put("buffer.memory", String.valueOf(64 << 20));
+        p.put("linger.ms", paced ? "5" : sparse ? "0" : "20");
+        // A batch.size below one record's size: every record is a batch of its own.
+        p.put("batch.size", String.valueOf(paced ? 512 << 10 : sparse ? 1 : 1 << 20));
+        // Sparse: every buffered record is a batch object of its own, far larger on the heap than its bytes.
+        p.put("buffer.memory", String.valueOf(sparse ? 4 << 20 : 64 << 20));
+        if (sparse) p.put("max.in.flight.requests.per.connection", "20");
         p.put("enable.idempotence", paced ? "true" : "false");
         p.put("key.serializer", ByteArraySerializer.class.getName());
         p.put("value.serializer", ByteArraySerializer.class.getName());
@@ -28,17 +34,19 @@ public class FastProducer {
         long n = Long.parseLong(a[2]);
         int parts = Integer.parseInt(a[3]);
         try (KafkaProducer<byte[], byte[]> prod = new KafkaProducer<>(p)) {
-            if (!paced) {
+            if (!paced && !sparse) {
                 byte[] v = new byte[8];
                 for (long i = 0; i < n; i++) prod.send(new ProducerRecord<>(topic, (int) (i % parts), null, v));
             } else {
-                double rate = Double.parseDouble(a[4]);
+                double rate = paced ? Double.parseDouble(a[4]) : 0;
                 Random rng = new Random(1);
                 long start = System.nanoTime();
                 for (long i = 0; i < n; i++) {
-                    long due = start + (long) (i * 1e9 / rate);
-                    long wait = due - System.nanoTime();
-                    if (wait > 1_000_000) Thread.sleep(wait / 1_000_000);
+                    if (paced) {
+                        long due = start + (long) (i * 1e9 / rate);
+                        long wait = due - System.nanoTime();
+                        if (wait > 1_000_000) Thread.sleep(wait / 1_000_000);
+                    }
                     String sku = String.format("SKU-%06d", rng.nextInt(1000));
                     boolean in = rng.nextInt(10) < 6;
                     int qty = (in ? 1 : -1) * (1 + rng.nextInt(100));

@@ -1,7 +1,9 @@
 """The ledger at scale, called by scripts/bench.py: `--verify-sizes N,...` and `--soak MINUTES --rate R`.
 
-verify-sizes  per N: a fresh topic of N records (scripts/FastProducer.java: tiny values, many per batch; verify
-              reads only offsets) and a fresh database preloaded server-side with N movements at the same
+verify-sizes  per N: a fresh topic of N records (scripts/FastProducer.java; `--verify-records tiny`: 8-byte
+              values, many per record batch, the quickest to produce; `sparse`: valid movements, one per record
+              batch, the layout a steady modest rate leaves and the most work per byte for verify's reader) and a
+              fresh database preloaded server-side with N movements at the same
               coordinates (generate_series into an UNLOGGED table, so no WAL; the unique indexes built after the
               load, then VACUUM ANALYZE), stock
               levels equal to their sum and every stored offset at the log end. Then `stock-ledger verify` runs as
@@ -110,17 +112,22 @@ class Place:
 # ------------------------------------------------------------------------------------------------ verify at scale
 
 
-def fast_produce(kafka: str, topic: str, count: int) -> float:
-    """N tiny records, round robin over the partitions, with the Java client (many records per request; the
-    project's Kafka jars). Without Java or the jars: stock_ledger.produce (real movements, slower)."""
+def fast_produce(kafka: str, topic: str, count: int, records: str = "tiny") -> float:
+    """N records with the Java client (the project's Kafka jars): `tiny`, 8 bytes each, round robin over the
+    partitions, many per record batch; `sparse`, valid movements keyed by SKU, one per record batch. Without Java
+    or the jars: stock_ledger.produce (real movements, slower)."""
     started = time.perf_counter()
     if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
         from stock_ledger.produce import produce  # noqa: PLC0415
 
         asyncio.run(produce(kafka, topic, count, show_progress=False))
         return time.perf_counter() - started
-    subprocess.run(["nice", "java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"),
-                    kafka, topic, str(count), str(PARTITIONS)], check=True, capture_output=True, timeout=3600)
+    layout = ["sparse"] if records == "sparse" else []
+    done = subprocess.run(["nice", "java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*",
+                           str(ROOT / "scripts" / "FastProducer.java"), kafka, topic, str(count), str(PARTITIONS),
+                           *layout], capture_output=True, text=True, timeout=3600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"FastProducer exited with {done.returncode} producing {topic}:\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
 
 
@@ -243,8 +250,8 @@ async def invariant_costs(place: Place, rate: int) -> dict[str, Any]:
             "incremental_median_seconds": incremental[1]}
 
 
-async def verify_sizes(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],
-                       sizes: Sequence[int], rate: int) -> list[dict[str, Any]]:
+async def verify_sizes(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],  # noqa: PLR0913, PLR0917 - the CLI's flags
+                       sizes: Sequence[int], rate: int, records: str = "tiny") -> list[dict[str, Any]]:
     logs = Path(tempfile.mkdtemp(prefix="stock-ledger-scale-"))
     results = []
     try:
@@ -252,8 +259,8 @@ async def verify_sizes(kafka: str, admin_url: str, urls: tuple[Callable[[str], s
             place = Place(kafka, admin_url, urls[1], urls[0], f"n{n}")
             try:
                 await place.create()
-                say(f"N={n:,}: producing the topic ({place.topic})")
-                produce_seconds = await asyncio.to_thread(fast_produce, kafka, place.topic, n)
+                say(f"N={n:,}: producing the topic ({place.topic}, {records} records)")
+                produce_seconds = await asyncio.to_thread(fast_produce, kafka, place.topic, n, records)
                 ends = await place.end_offsets()
                 if sum(ends.values()) != n:
                     raise RuntimeError(f"the topic holds {sum(ends.values())} records, expected {n}")
@@ -265,7 +272,7 @@ async def verify_sizes(kafka: str, admin_url: str, urls: tuple[Callable[[str], s
                 if result["exit_code"] != 0 or result["last_line"] != f"{n}|{n}":
                     raise RuntimeError(f"verify failed on a consistent ledger: {result}; see {logs}")
                 costs = await invariant_costs(place, rate)
-                results.append({"movements": n, "produce_seconds": produce_seconds,
+                results.append({"movements": n, "records": records, "produce_seconds": produce_seconds,
                                 "preload_seconds": preload_seconds, "verify": result, "invariants": costs})
             finally:
                 await place.drop()
@@ -530,8 +537,9 @@ def render_soak(result: dict[str, Any]) -> str:
 
 
 def render_sizes(results: Sequence[dict[str, Any]]) -> str:
-    lines = ["movements    verify s  verify peak RSS MiB  invariants: full s  incremental ms (median of 3)"]
-    lines += [f"{r['movements']:>11,}  {r['verify']['seconds']:>8.1f}  {r['verify']['peak_rss_mib']:>19.0f}  "
+    lines = ["movements    records  verify s  verify peak RSS MiB  invariants: full s  incremental ms (median of 3)"]
+    lines += [f"{r['movements']:>11,}  {r.get('records', 'tiny'):>7}  {r['verify']['seconds']:>8.1f}  "
+              f"{r['verify']['peak_rss_mib']:>19.0f}  "
               f"{r['invariants']['full_seconds']:>18.2f}  {1000 * r['invariants']['incremental_median_seconds']:>6.0f}"
               for r in results]
     return "\n".join(lines)
@@ -550,6 +558,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="an environment variable for the soak's worker (repeatable), e.g. to compare settings")
     parser.add_argument("--verify-sizes", type=lambda raw: [int(x) for x in raw.split(",") if x.strip()],
                         default=[], metavar="N,...", help="measure verify and the invariant checks at these sizes")
+    parser.add_argument("--verify-records", choices=("tiny", "sparse"), default="tiny",
+                        help="the topic of --verify-sizes: tiny (8-byte records, many per record batch; quickest to "
+                        "produce) or sparse (valid movements, one per record batch: verify's heaviest reading)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench-results/scale-<date>.json)")
     args = parser.parse_args(argv)
     if args.soak is None and not args.verify_sizes:
@@ -575,7 +586,7 @@ async def main(argv: Sequence[str]) -> int:
     report = []
     if args.verify_sizes:
         results["verify_sizes"] = await verify_sizes(services.kafka, services.admin_url, urls, args.verify_sizes,
-                                                     args.rate)
+                                                     args.rate, args.verify_records)
         report.append(render_sizes(results["verify_sizes"]))
     if args.soak is not None:
         env = dict(e.split("=", 1) for e in args.soak_env)

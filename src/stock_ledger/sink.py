@@ -61,7 +61,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
-log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Unblock:

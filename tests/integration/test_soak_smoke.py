@@ -21,15 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measurement(
     services: Services, tmp_path: Path,
 ) -> None:
-    """A 2,400-movement preloaded ledger (verify, then the invariant checks over three simulated minutes) and a
-    one-minute soak at 300/s: the bench exits 0, prints both tables, and writes JSON with verify's time and peak
-    RSS, the invariant checks' durations, and per minute the latency quantiles, worker RSS and database size."""
+    """A 2,400-movement preloaded ledger over a topic of valid movements, one per record batch (verify, then the
+    invariant checks over three simulated minutes), and a one-minute soak at 300/s: the bench exits 0, prints both
+    tables, and writes JSON with verify's time and peak RSS, the invariant checks' durations, and per minute the
+    latency quantiles, worker RSS and database size."""
     out = tmp_path / "scale.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
     env |= {"KAFKA_BOOTSTRAP_SERVERS": services.kafka, "DATABASE_URL": services.admin_url}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--verify-sizes", "2400", "--soak", "1", "--rate", "300",
-         "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--verify-sizes", "2400", "--verify-records", "sparse",
+         "--soak", "1", "--rate", "300", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=400, check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
@@ -39,6 +40,7 @@ def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measu
     results = json.loads(out.read_text())
     [size] = results["verify_sizes"]
     assert size["movements"] == 2_400
+    assert size["records"] == "sparse"
     assert size["verify"]["exit_code"] == 0
     assert size["verify"]["last_line"] == "2400|2400"
     assert size["verify"]["peak_rss_mib"] > 0
