@@ -116,20 +116,46 @@ def _ts(ms: int) -> datetime | None:
 
 def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int]) -> Batch:
     """Parse records into COPY-ready rows. Pure. `records` holds each partition's records in offset order."""
-    movements: list[tuple[Any, ...]] = []
-    rejects: list[tuple[Any, ...]] = []
-    slices: list[PartitionSlice] = []
-    raw: list[tuple[bytes | None, bytes | None]] = []
-    # Keyed by UUID.int: uuid.UUID hashes in Python code, an int in C. This loop runs once per record.
-    seen_ids: set[int] = set()
-    # Records produced in the same millisecond share a timestamp (~70% of them under load): one datetime each.
-    stamps: dict[int, datetime | None] = {}
+    builder = BatchBuilder(topic, epochs)
     for partition in sorted(records):
-        recs = records[partition]
+        builder.add(partition, records[partition])
+    return builder.batch()
+
+
+class BatchBuilder:
+    """`build_batch` in steps: `add` a partition's records (in offset order, in one or several consecutive chunks,
+    partitions one after the other), then take the `batch`. The worker lets its event loop run between chunks, so
+    the transaction in flight keeps going while the next batch is built. Same rows as one `build_batch` call."""
+
+    def __init__(self, topic: str, epochs: Mapping[int, int]) -> None:
+        self.topic = topic
+        self.epochs = epochs
+        self.movements: list[tuple[Any, ...]] = []
+        self.rejects: list[tuple[Any, ...]] = []
+        self.slices: list[PartitionSlice] = []
+        self.raw: list[tuple[bytes | None, bytes | None]] = []
+        # Keyed by UUID.int: uuid.UUID hashes in Python code, an int in C. This loop runs once per record.
+        self.seen_ids: set[int] = set()
+        # Records produced in the same millisecond share a timestamp (~70% of them under load): one datetime each.
+        self.stamps: dict[int, datetime | None] = {}
+
+    def add(self, partition: int, recs: Sequence[Record]) -> None:
         if not recs:
-            continue
-        slices.append(PartitionSlice(partition, epochs[partition], recs[0].offset, recs[-1].offset + 1,
-                                     [r.timestamp for r in recs]))
+            return
+        last = self.slices[-1] if self.slices else None
+        if last is not None and last.partition == partition:  # the next chunk of the same partition
+            if recs[0].offset < last.next_offset:
+                raise ValueError(f"partition {partition}: chunk starts at {recs[0].offset}, before {last.next_offset}")
+            last.timestamps_ms.extend(r.timestamp for r in recs)  # our own list, not shared
+            self.slices[-1] = PartitionSlice(partition, last.epoch, last.first_offset, recs[-1].offset + 1,
+                                             last.timestamps_ms)
+        else:
+            if any(x.partition == partition for x in self.slices):
+                raise ValueError(f"partition {partition} added again after another partition")
+            self.slices.append(PartitionSlice(partition, self.epochs[partition], recs[0].offset,
+                                              recs[-1].offset + 1, [r.timestamp for r in recs]))
+        topic, movements, rejects, raw, seen_ids, stamps = (
+            self.topic, self.movements, self.rejects, self.raw, self.seen_ids, self.stamps)
         for r in recs:
             ms = r.timestamp
             kafka_ts = stamps.get(ms)
@@ -152,7 +178,9 @@ def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Map
                 topic, partition, r.offset, kafka_ts, r.key, r.value, parsed.code.value, pg_text(parsed.reason),
                 None if parsed.code is RejectCode.TOO_DEEP else _movement_id_of(r.value),
             ))
-    return Batch(topic, slices, movements, rejects, raw)
+
+    def batch(self) -> Batch:
+        return Batch(self.topic, self.slices, self.movements, self.rejects, self.raw)
 
 
 class _JustTheId(msgspec.Struct):

@@ -7,10 +7,11 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stock_ledger.batch import MOVEMENT_COLUMNS, REJECT_COLUMNS, PartitionSlice, Record, build_batch
+from stock_ledger.batch import MOVEMENT_COLUMNS, REJECT_COLUMNS, BatchBuilder, PartitionSlice, Record, build_batch
 from stock_ledger.domain import RejectCode
 
 TOPIC = "warehouse.movements"
@@ -287,3 +288,52 @@ def test_every_record_lands_exactly_once_and_no_movement_id_twice(
             records[s.partition][0].offset,
             records[s.partition][-1].offset + 1,
         )
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    st.dictionaries(
+        st.integers(0, 23), st.lists(st.tuples(st.integers(1, 3), _payloads), max_size=8), max_size=4
+    ),
+    st.lists(st.integers(1, 4), min_size=1, max_size=8),
+)
+def test_built_in_chunks_the_batch_is_the_same_as_built_in_one_go(
+    layout: dict[int, list[tuple[int, Any]]], chunk_sizes: list[int],
+) -> None:
+    """The worker builds a batch in chunks (its event loop runs in between): the slices, rows, quarantine rows and
+    raw bytes are exactly those of one `build_batch` call, including duplicates found across chunks and
+    partitions."""
+    records: dict[int, list[Record]] = {}
+    for partition, items in layout.items():
+        offset, recs = 0, []
+        for gap, payload in items:
+            offset += gap
+            recs.append(Record(partition, offset, TS + offset % 2, b"SKU-1", payload))
+        records[partition] = recs
+    epochs = {p: p + 1 for p in records}
+    builder = BatchBuilder(TOPIC, epochs)
+    sizes = iter(chunk_sizes * 20)
+    for partition in sorted(records):
+        recs, i = records[partition], 0
+        while i < len(recs):
+            n = next(sizes)
+            builder.add(partition, recs[i:i + n])
+            i += n
+    chunked, whole = builder.batch(), build_batch(TOPIC, records, epochs)
+    assert chunked.slices == whole.slices
+    assert [s.timestamps_ms for s in chunked.slices] == [s.timestamps_ms for s in whole.slices]
+    assert chunked.movements == whole.movements
+    assert chunked.rejects == whole.rejects
+    assert chunked.raw == whole.raw
+
+
+def test_a_builder_refuses_chunks_out_of_order() -> None:
+    """Chunks of one partition must follow each other, partitions one after the other: anything else is a bug in
+    the caller, and the slice would misstate the offsets the transaction advances."""
+    builder = BatchBuilder(TOPIC, {0: 1, 1: 1})
+    builder.add(0, [record(0, 5), record(0, 6)])
+    with pytest.raises(ValueError, match="before 7"):
+        builder.add(0, [record(0, 6)])
+    builder.add(1, [record(1, 0)])
+    with pytest.raises(ValueError, match="added again"):
+        builder.add(0, [record(0, 7)])
