@@ -20,7 +20,8 @@ from stock_ledger.produce import movements
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-import ledger_bench  # noqa: E402 - a script, importable once scripts/ is on the path
+import bench_scale  # noqa: E402 - a script, importable once scripts/ is on the path
+import ledger_bench  # noqa: E402
 import peer_bench  # noqa: E402
 
 
@@ -88,3 +89,17 @@ def test_the_bar_chart_is_well_formed_svg_with_one_bar_per_value() -> None:
     bars = [e for e in root if e.tag.endswith("rect") and e.get("fill") == "#4878a8"]
     assert len(bars) == 3
     assert all(float(b.get("height", "-1")) >= 0 for b in bars)
+
+
+def test_peak_rss_is_the_commands_own_not_the_bench_process_that_started_it(tmp_path: Path) -> None:
+    """Linux carries the RSS high-water mark of a process's address space before exec into its ru_maxrss, and a child
+    started from a big bench starts with the bench's pages: verify once read as big as the soak that ran it. A
+    command using ~60 MiB, started while this process holds 300 MiB, measures about 60 MiB, not 300."""
+    ballast = bytearray(300 * 1024 * 1024)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touched: resident
+    command = [sys.executable, "-c", "b = bytearray(60 << 20); b[::4096] = b'x' * len(b[::4096]); print('done')"]
+    measured = bench_scale.run_measured(command, {}, tmp_path / "out.txt")
+    assert measured["exit_code"] == 0
+    assert measured["last_line"] == "done"
+    assert 60 <= measured["peak_rss_mib"] < 150, measured
+    del ballast
