@@ -113,20 +113,27 @@ class Place:
 # ------------------------------------------------------------------------------------------------ verify at scale
 
 
+def java_producer(kafka: str, topic: str, count: int, mode: str | None = None) -> list[str] | None:
+    """The argv of scripts/FastProducer.java (`mode`: a rate, "sparse", or None for tiny records) on the project's
+    Kafka jars; None where Java or the jars are missing."""
+    if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
+        return None
+    return ["java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"), kafka, topic,
+            str(count), str(PARTITIONS), *([mode] if mode else [])]
+
+
 def fast_produce(kafka: str, topic: str, count: int, records: str = "tiny") -> float:
     """N records with the Java client (the project's Kafka jars): `tiny`, 8 bytes each, round robin over the
     partitions, many per record batch; `sparse`, valid movements keyed by SKU, one per record batch. Without Java
     or the jars: stock_ledger.produce (real movements, slower)."""
     started = time.perf_counter()
-    if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
+    argv = java_producer(kafka, topic, count, "sparse" if records == "sparse" else None)
+    if argv is None:
         from stock_ledger.produce import produce  # noqa: PLC0415
 
         asyncio.run(produce(kafka, topic, count, show_progress=False))
         return time.perf_counter() - started
-    layout = ["sparse"] if records == "sparse" else []
-    done = subprocess.run(["nice", "java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*",
-                           str(ROOT / "scripts" / "FastProducer.java"), kafka, topic, str(count), str(PARTITIONS),
-                           *layout], capture_output=True, text=True, timeout=3600, check=False)
+    done = subprocess.run(["nice", *argv], capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"FastProducer exited with {done.returncode} producing {topic}:\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
@@ -433,10 +440,8 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
 def producer_argv(kafka: str, topic: str, count: int, rate: int) -> list[str]:
     """The soak's steady load: the Java client when available (it keeps the pace on a busy machine and stamps each
     record when it sends it), else `stock-ledger produce --rate`."""
-    if shutil.which("java") is not None and (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
-        return ["java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"), kafka, topic,
-                str(count), str(PARTITIONS), str(rate)]
-    return [sys.executable, "-m", "stock_ledger", "produce", "--count", str(count), "--rate", str(rate)]
+    return java_producer(kafka, topic, count, str(rate)) or [
+        sys.executable, "-m", "stock_ledger", "produce", "--count", str(count), "--rate", str(rate)]
 
 
 def spawn(argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
