@@ -2,11 +2,11 @@
 
 The main loop owns the database session and is the only writer: it claims newly assigned partitions (the
 rebalance listener only pauses them), reads a batch, applies it in one transaction (sink.Ledger.apply); Kafka is
-told the committed offsets advisorily, once a second. Which partitions may be written, and from which offset, is
-`assignment.Assignment`; the claim, with its seek positions and the log's holes, is `claims.Claimer`. The
-rebalance listener runs in aiokafka's coordination task: on revocation it waits for the in-flight batch; on
-assignment it pauses the partitions synchronously, so nothing is fetched from Kafka's committed offsets before we
-seek to ours.
+told the committed offsets advisorily, once a second (advice.KafkaAdvice). Which partitions may be written, and
+from which offset, is `assignment.Assignment`; the claim, with its seek positions and the log's holes, is
+`claims.Claimer`. The rebalance listener runs in aiokafka's coordination task: on revocation it waits for the
+in-flight batch; on assignment it pauses the partitions synchronously, so nothing is fetched from Kafka's committed
+offsets before we seek to ours.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiokafka import TopicPartition
-from aiokafka.errors import IllegalStateError, KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka.errors import KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
 from prometheus_client import CollectorRegistry
 
+from stock_ledger.advice import KafkaAdvice
 from stock_ledger.assignment import Assignment
 from stock_ledger.batch import Batch, BatchBuilder
 from stock_ledger.claims import Claimer
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_ADVISE_EVERY_SECONDS = 1.0
 # Records parsed between two turns of the event loop while a batch is built (~4 ms of CPU here).
 _BUILD_CHUNK = 500
 
@@ -82,8 +81,7 @@ class Worker:
         # records that arrive behind it for one more cycle). Measured at 5,000/s (batches of ~50, serial) and
         # 20,000/s (batches of ~3,000, which a fetch-after-commit loop left at half the CPU of either side).
         self._behind = False
-        self._advice: dict[int, int] = {}  # committed next offsets not yet told to Kafka
-        self._advice_lock = asyncio.Lock()
+        self.advice = KafkaAdvice(self.consumer, settings.topic)
         self._retry = Retrier(settings.retry_deadline_seconds, self.stopping, self._on_fault)
 
     async def serve(self) -> int:
@@ -125,9 +123,11 @@ class Worker:
             await self._retry("read the topic's configuration", functools.partial(
                 refuse_compacted, s.kafka_bootstrap_servers, s.topic, options=kafka_options(s)), "startup.retry")
             monitor.start()
-            advisor = asyncio.create_task(self._advise_kafka(), name="advisory-commit")
+            advisor = asyncio.create_task(self.advice.run(), name="advisory-commit")
             await self._main_loop()
-            await self._tell_kafka()
+            advisor.cancel()
+            await asyncio.gather(advisor, return_exceptions=True)
+            await self.advice.tell()  # the last batches' offsets, so the next owner's lag starts right
         except Abandoned as exc:
             log.info("worker.abandoned", detail=str(exc))
         finally:
@@ -233,7 +233,7 @@ class Worker:
             current = batch.without(drop) if drop else batch
             committed = await self._apply(current) if current is not None else None
         if committed:
-            self._advice.update(committed)
+            self.advice.note(committed)
 
     async def _claim(self) -> None:
         await self.claimer.claim(await self._session())
@@ -317,32 +317,6 @@ class Worker:
         self.metrics.batch_committed(outcome.applied, outcome.rejected, batch.size, seconds, batch.times_ms)
         log.debug("batch.committed", applied=outcome.applied, rejected=sum(outcome.rejected.values()),
                   seconds=round(seconds, 4))
-
-    async def _advise_kafka(self) -> None:
-        """Kafka hears of our commits once a second, off the batch path: committing after every batch put a broker
-        round trip into every cycle (at 5,000/s it halved the batches per second and doubled the latency), and
-        lag dashboards need no more. Kafka's offsets still never pass the stored ones (drift >= 0)."""
-        while True:
-            await asyncio.sleep(_ADVISE_EVERY_SECONDS)
-            await self._tell_kafka()
-
-    async def _tell_kafka(self) -> None:
-        async with self._advice_lock:  # one commit at a time, so an older one never lands after a newer one
-            offsets, self._advice = self._advice, {}
-            if offsets:
-                await self._advisory_commit(offsets)
-
-    async def _advisory_commit(self, offsets: dict[int, int]) -> None:
-        """Tell Kafka too, for lag dashboards and kafka-consumer-groups.sh. Never fatal, never a source of truth."""
-        assigned = self.consumer.assignment()
-        tps = {self._tp(p): OffsetAndMetadata(o, "") for p, o in offsets.items() if self._tp(p) in assigned}
-        if not tps:
-            return
-        try:
-            await asyncio.wait_for(self.consumer.commit(tps), 5)
-        except (KafkaError, IllegalStateError, TimeoutError) as exc:
-            log.info("kafka.advisory_commit_failed", error=f"{type(exc).__name__}: {exc}",
-                     detail="harmless: PostgreSQL holds the offsets")
 
     # ---------------------------------------------------------------- sessions and retries
 
