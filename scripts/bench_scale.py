@@ -437,6 +437,24 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         shutil.rmtree(logs, ignore_errors=True)
 
 
+def prime_wal() -> str:
+    """Start the soak from PostgreSQL's steady state: WAL segments recycled, as after a checkpoint cycle at load,
+    not created (and zero-filled) by the batch that needs one, a stall that only a new or restarted cluster has."""
+    if os.environ.get("DATABASE_URL"):
+        say("the WAL pool is not primed (PostgreSQL from DATABASE_URL): on a new or restarted server, expect a stall "
+            "of 50-100 ms every few seconds until its first checkpoints end (README, '30-minute soak')")
+        return "not primed: PostgreSQL from DATABASE_URL"
+    lines = []
+    with subprocess.Popen(["bash", str(ROOT / "scripts" / "postgres.sh"), "prime-wal"], stderr=subprocess.PIPE,
+                          stdout=subprocess.DEVNULL, text=True) as proc:
+        for line in proc.stderr or ():  # its progress, as it comes
+            sys.stderr.write(line)
+            lines.append(line.strip())
+    if proc.returncode != 0:
+        raise RuntimeError(f"scripts/postgres.sh prime-wal failed ({proc.returncode}): {' '.join(lines[-3:])}")
+    return lines[-1] if lines else "primed"
+
+
 def producer_argv(kafka: str, topic: str, count: int, rate: int) -> list[str]:
     """The soak's steady load: the Java client when available (it keeps the pace on a busy machine and stamps each
     record when it sends it), else `stock-ledger produce --rate`."""
@@ -611,6 +629,7 @@ async def main(argv: Sequence[str]) -> int:
         report.append(render_sizes(results["verify_sizes"]))
     if args.soak is not None:
         env = dict(e.split("=", 1) for e in args.soak_env)
+        results["meta"]["wal_pool"] = prime_wal()
         results["soak"] = await soak(services.kafka, services.admin_url, urls, args.soak, args.rate, env)
         report.append(render_soak(results["soak"]))
     results["meta"]["load_average_at_end"] = os.getloadavg()

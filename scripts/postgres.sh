@@ -3,6 +3,7 @@
 #
 #   scripts/postgres.sh start     # idempotent: reuses a running cluster, or DATABASE_URL if set
 #   scripts/postgres.sh stop | restart | status
+#   scripts/postgres.sh prime-wal  # recycled WAL segments up to min_wal_size, as after a checkpoint cycle at load
 #   scripts/postgres.sh url        # prints the owner's DATABASE_URL
 #   scripts/postgres.sh worker-url # prints the least-privileged worker's DATABASE_URL
 #   scripts/postgres.sh verify-full-url # the worker's URL with sslmode=verify-full and the local CA as sslrootcert
@@ -67,8 +68,11 @@ ready() {
 
 # Sized for a ledger that grows (README, "As the ledger grows"): the unique indexes of tens of millions of movements
 # stay in shared_buffers, and checkpoints are rare enough that a random movement_id leaf is not re-imaged in the WAL
-# after every one. fsync stays on: durability is what we test. Needs a restart to take effect.
-SIZING=$'shared_buffers = 2GB\nmax_wal_size = 8GB\ncheckpoint_timeout = 15min\nwal_compression = lz4\n'
+# after every one. WAL segments are recycled, not created, under load: a new 16 MiB segment is zero-filled and
+# synced by the backend that needs it, a 50-100 ms stall of that batch (README, "30-minute soak"); min_wal_size keeps
+# a checkpoint cycle's worth (plus the cycle a spread checkpoint overlaps) for reuse, and max_wal_size is above it so
+# checkpoints stay timed. fsync stays on: durability is what we test. Needs a restart to take effect.
+SIZING=$'shared_buffers = 2GB\nmin_wal_size = 8GB\nmax_wal_size = 16GB\ncheckpoint_timeout = 15min\nwal_compression = lz4\n'
 
 start_cluster() {
   if as_root; then
@@ -102,10 +106,47 @@ sizing_options() { sed -E 's/^([a-z_]+) = (.*)$/-c \1=\2/' <<<"$SIZING" | tr '\n
 
 # A cluster started before the sizing existed keeps running as it is (others may be using it): say how to apply it.
 check_sizing() {
-  local now; now="$(psql_admin -tAc "SHOW shared_buffers" 2>/dev/null || true)"
-  if [[ -n "$now" && "$now" != "2GB" ]]; then
-    log "note: running with shared_buffers=$now, not the scripts' 2GB sizing; 'scripts/postgres.sh restart' applies it"
+  local now; now="$(psql_admin -tAc "SELECT current_setting('shared_buffers') || ' ' || current_setting('min_wal_size')" \
+    2>/dev/null || true)"
+  if [[ -n "$now" && "$now" != "2GB 8GB" ]]; then
+    log "note: running with shared_buffers and min_wal_size $now, not the scripts' sizing (2GB 8GB);" \
+      "'scripts/postgres.sh restart' applies it"
   fi
+}
+
+# A cluster that has run a checkpoint cycle at load holds min_wal_size of recycled WAL segments; a new or restarted
+# one creates (zero-fills, syncs) a segment every few seconds until its first checkpoints end. A soak measures the
+# steady state, so it starts here: switch through min_wal_size of segments (no data written), then a checkpoint
+# recycles them for reuse. Idempotent; about 45 s for 8 GB the first time on this machine kind.
+prime_wal() {
+  if [[ -n "${DATABASE_URL:-}" ]]; then
+    log "DATABASE_URL is set: its server is not ours to prime; run this where scripts/postgres.sh started PostgreSQL"
+    exit 2
+  fi
+  ready || { log "PostgreSQL is not running: 'scripts/postgres.sh start' first"; exit 1; }
+  local want seg have
+  read -r want seg have < <(psql_admin -tAc "
+    SELECT pg_size_bytes(current_setting('min_wal_size')), pg_size_bytes(current_setting('wal_segment_size')),
+           coalesce(sum(size) FILTER (WHERE name > pg_walfile_name(pg_current_wal_lsn())), 0)
+    FROM pg_ls_waldir() WHERE name ~ '^[0-9A-F]{24}$'" | tr '|' ' ')
+  if (( have + 2 * seg >= want )); then
+    log "WAL pool primed: $((have >> 20)) MiB of recycled segments (min_wal_size $((want >> 20)) MiB)"
+    return
+  fi
+  local n=$(( want / seg + 2 )) i
+  log "priming the WAL pool: $((have >> 20)) of $((want >> 20)) MiB recycled; switching through $n segments"
+  for (( i = 1; i <= n; i++ )); do
+    echo "SELECT pg_logical_emit_message(false, 'stock-ledger-prime-wal', ''); SELECT pg_switch_wal();"
+    if (( i % 64 == 0 )); then echo "\\warn '[postgres] $i of $n segments'"; fi
+  done | psql_admin -tA >/dev/null
+  psql_admin -c CHECKPOINT
+  prime_wal_report
+}
+
+prime_wal_report() {
+  local have; have="$(psql_admin -tAc "SELECT coalesce(sum(size), 0) FROM pg_ls_waldir()
+    WHERE name ~ '^[0-9A-F]{24}$' AND name > pg_walfile_name(pg_current_wal_lsn())")"
+  log "WAL pool primed: $((have >> 20)) MiB of recycled segments"
 }
 
 ensure_roles() {
@@ -191,6 +232,7 @@ case "${1:-start}" in
   start) start ;;
   stop) stop ;;
   restart) stop; start ;;
+  prime-wal) prime_wal ;;
   status) if ready; then echo running; else echo stopped; exit 1; fi ;;
   url) owner_url ;;
   worker-url) worker_url ;;
