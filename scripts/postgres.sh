@@ -106,10 +106,12 @@ sizing_options() { sed -E 's/^([a-z_]+) = (.*)$/-c \1=\2/' <<<"$SIZING" | tr '\n
 
 # A cluster started before the sizing existed keeps running as it is (others may be using it): say how to apply it.
 check_sizing() {
-  local now; now="$(psql_admin -tAc "SELECT current_setting('shared_buffers') || ' ' || current_setting('min_wal_size')" \
+  local want now
+  want="$(sed -nE 's/^(shared_buffers|min_wal_size) = (.*)$/\2/p' <<<"$SIZING" | paste -sd ' ')"
+  now="$(psql_admin -tAc "SELECT current_setting('shared_buffers') || ' ' || current_setting('min_wal_size')" \
     2>/dev/null || true)"
-  if [[ -n "$now" && "$now" != "2GB 8GB" ]]; then
-    log "note: running with shared_buffers and min_wal_size $now, not the scripts' sizing (2GB 8GB);" \
+  if [[ -n "$now" && "$now" != "$want" ]]; then
+    log "note: running with shared_buffers and min_wal_size $now, not the scripts' sizing ($want);" \
       "'scripts/postgres.sh restart' applies it"
   fi
 }
@@ -117,7 +119,7 @@ check_sizing() {
 # A cluster that has run a checkpoint cycle at load holds min_wal_size of recycled WAL segments; a new or restarted
 # one creates (zero-fills, syncs) a segment every few seconds until its first checkpoints end. A soak measures the
 # steady state, so it starts here: switch through min_wal_size of segments (no data written), then a checkpoint
-# recycles them for reuse. Idempotent; about 45 s for 8 GB the first time on this machine kind.
+# recycles them for reuse. Idempotent; about 43 s for 8 GB the first time on this machine kind (by hand).
 prime_wal() {
   if [[ -n "${DATABASE_URL:-}" ]]; then
     log "DATABASE_URL is set: its server is not ours to prime; run this where scripts/postgres.sh started PostgreSQL"
@@ -125,28 +127,26 @@ prime_wal() {
   fi
   ready || { log "PostgreSQL is not running: 'scripts/postgres.sh start' first"; exit 1; }
   local want seg have
-  read -r want seg have < <(psql_admin -tAc "
-    SELECT pg_size_bytes(current_setting('min_wal_size')), pg_size_bytes(current_setting('wal_segment_size')),
-           coalesce(sum(size) FILTER (WHERE name > pg_walfile_name(pg_current_wal_lsn())), 0)
-    FROM pg_ls_waldir() WHERE name ~ '^[0-9A-F]{24}$'" | tr '|' ' ')
-  if (( have + 2 * seg >= want )); then
-    log "WAL pool primed: $((have >> 20)) MiB of recycled segments (min_wal_size $((want >> 20)) MiB)"
-    return
+  read -r want seg < <(psql_admin -tAc "SELECT pg_size_bytes(current_setting('min_wal_size')) || ' ' ||
+    pg_size_bytes(current_setting('wal_segment_size'))")
+  have="$(wal_pool_bytes)"
+  if (( have + 2 * seg < want )); then
+    local n=$(( want / seg + 2 )) i
+    log "priming the WAL pool: $((have >> 20)) of $((want >> 20)) MiB recycled; switching through $n segments"
+    for (( i = 1; i <= n; i++ )); do
+      echo "SELECT pg_logical_emit_message(false, 'stock-ledger-prime-wal', ''); SELECT pg_switch_wal();"
+      if (( i % 64 == 0 )); then echo "\\warn '[postgres] $i of $n segments'"; fi
+    done | psql_admin -tA >/dev/null
+    psql_admin -c CHECKPOINT
+    have="$(wal_pool_bytes)"
   fi
-  local n=$(( want / seg + 2 )) i
-  log "priming the WAL pool: $((have >> 20)) of $((want >> 20)) MiB recycled; switching through $n segments"
-  for (( i = 1; i <= n; i++ )); do
-    echo "SELECT pg_logical_emit_message(false, 'stock-ledger-prime-wal', ''); SELECT pg_switch_wal();"
-    if (( i % 64 == 0 )); then echo "\\warn '[postgres] $i of $n segments'"; fi
-  done | psql_admin -tA >/dev/null
-  psql_admin -c CHECKPOINT
-  prime_wal_report
+  log "WAL pool primed: $((have >> 20)) MiB of recycled segments (min_wal_size $((want >> 20)) MiB)"
 }
 
-prime_wal_report() {
-  local have; have="$(psql_admin -tAc "SELECT coalesce(sum(size), 0) FROM pg_ls_waldir()
-    WHERE name ~ '^[0-9A-F]{24}$' AND name > pg_walfile_name(pg_current_wal_lsn())")"
-  log "WAL pool primed: $((have >> 20)) MiB of recycled segments"
+# Bytes of the WAL segments after the one being written: recycled, waiting for reuse.
+wal_pool_bytes() {
+  psql_admin -tAc "SELECT coalesce(sum(size), 0) FROM pg_ls_waldir()
+    WHERE name ~ '^[0-9A-F]{24}$' AND name > pg_walfile_name(pg_current_wal_lsn())"
 }
 
 ensure_roles() {
