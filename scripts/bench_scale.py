@@ -15,8 +15,10 @@ soak          one worker (debug logs: one `batch.committed` line per batch) on a
               `stock-ledger produce --rate R` runs for MINUTES; every minute: end-to-end latency quantiles from the
               worker's histogram (the delta over the minute, interpolated in the bucket like histogram_quantile,
               plus the exact share under 50 ms, a bucket bound), worker RSS, database size, invariant check
-              durations. At the end: exact per-minute p50/p95/p99 per row (the batch's commit time from its log
-              line minus the record's Kafka timestamp), then `stock-ledger verify`'s time and peak RSS.
+              durations, the host's disk writes (DiskWrites: the kernel's writeback bursts delay COMMITs; the
+              kernel's writeback settings go into the JSON's meta). At the end: exact per-minute p50/p95/p99 per
+              row (the batch's commit time from its log line minus the record's Kafka timestamp), then
+              `stock-ledger verify`'s time and peak RSS.
 
 Both drop what they create. Preloads run with parallel workers off (one core).
 """
@@ -382,6 +384,79 @@ def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]
     return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
 
 
+class DiskWrites:
+    """The host's disk writes, sampled every 100 ms (Linux /sys/block, whole disks only). The kernel writes other
+    processes' dirty pages back in bursts, by default those older than 30 s (vm.dirty_expire_centisecs) on a 5-s
+    timer: with the broker on this host, its log segments go out as one burst of 30-100 MiB about every 30.7 s,
+    and a COMMIT's WAL flush queued behind it takes 45-95 ms. Per minute: the largest 100-ms write and the count
+    of bursts, so a soak's tail can be told apart from the worker's own."""
+
+    PERIOD: Final = 0.1
+    BURST_MIB: Final = 8.0
+
+    def __init__(self) -> None:
+        self.disks = [d / "stat" for d in sorted(Path("/sys/block").glob("*")) if (d / "device").exists()]
+        self.steps: list[float] = []
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run())
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def written_mib(self) -> float:
+        # /sys/block/<disk>/stat: the 7th field is sectors written, in 512-byte units whatever the device's own.
+        return sum(int(f.read_text().split()[6]) for f in self.disks) * 512 / MIB
+
+    async def run(self) -> None:
+        if not self.disks:
+            return
+        last = self.written_mib()
+        while True:
+            await asyncio.sleep(self.PERIOD)
+            now = self.written_mib()
+            self.steps.append(now - last)
+            last = now
+
+    def take(self) -> dict[str, float] | None:
+        """The minute since the last call, and start the next one."""
+        steps, self.steps = self.steps, []
+        if not steps:
+            return None
+        return {"written_mib": sum(steps), "max_mib_per_100ms": max(steps),
+                "bursts": sum(s >= self.BURST_MIB for s in steps)}
+
+
+class CpuShares:
+    """Per minute, the share of the host's CPU time that was busy, stolen by the hypervisor, and the worker's own:
+    a slow minute with the host busier and the worker not is the host's, not the worker's."""
+
+    def __init__(self, worker: psutil.Process) -> None:
+        self.worker = worker
+        self.host, self.own = psutil.cpu_times(), worker.cpu_times()
+
+    def take(self) -> dict[str, float]:
+        host, own = psutil.cpu_times(), self.worker.cpu_times()
+        spent = {f: getattr(host, f) - getattr(self.host, f) for f in host._fields}
+        total = sum(spent.values()) or 1.0
+        idle = spent.get("idle", 0.0) + spent.get("iowait", 0.0)
+        worker = (own.user + own.system) - (self.own.user + self.own.system)
+        self.host, self.own = host, own
+        return {"host_busy_pct": 100 * (total - idle) / total, "steal_pct": 100 * spent.get("steal", 0.0) / total,
+                "worker_cpu_pct": 100 * worker / total * psutil.cpu_count()}
+
+
+def host_writeback() -> dict[str, int | None]:
+    """When the kernel writes other processes' dirty pages back (see DiskWrites)."""
+    def read(name: str) -> int | None:
+        try:
+            return int(Path("/proc/sys/vm", name).read_text())
+        except (OSError, ValueError):
+            return None
+    return {name: read(name) for name in ("dirty_expire_centisecs", "dirty_writeback_centisecs",
+                                          "dirty_background_bytes", "dirty_background_ratio")}
 
 
 async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Callable[[str], str]],  # noqa: PLR0913, PLR0917 - the CLI's flags
@@ -391,6 +466,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
     worker: subprocess.Popen[bytes] | None = None
     producer: subprocess.Popen[bytes] | None = None
     per_minute: list[dict[str, Any]] = []
+    disk = DiskWrites()
     try:
         await place.create()
         port = localservices.free_port()
@@ -404,6 +480,8 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         producer = spawn(producer_argv(kafka, place.topic, count, rate), place.env(), logs / "producer.log")
         ps = psutil.Process(worker.pid)
         before = scrape(port)
+        disk.start()
+        cpu = CpuShares(ps)
         started = time.monotonic()
         minute = 0
         while producer.poll() is None or minute < int(minutes):
@@ -412,7 +490,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
             if worker.poll() is not None:
                 raise RuntimeError(f"the worker exited with {worker.returncode}; see {logs / 'worker.log'}")
             now = scrape(port)
-            per_minute.append(await minute_row(minute, place, ps, before, now))
+            per_minute.append(await minute_row(minute, place, ps, (before, now), (disk.take(), cpu.take())))
             before = now
             if producer.poll() is not None and minute >= minutes:
                 break
@@ -429,6 +507,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         return {"minutes": minutes, "rate": rate, "movements": count, "per_minute": per_minute,
                 "worker_rss_end_mib": rss_end, "verify": verified, "worker_env": worker_env}
     finally:
+        disk.stop()
         for proc in (producer, worker):
             if proc is not None and proc.poll() is None:
                 proc.kill()
@@ -498,8 +577,10 @@ async def wait_drained(place: Place) -> None:
         await conn.close()
 
 
-async def minute_row(minute: int, place: Place, ps: psutil.Process, before: dict[str, Any],
-                     now: dict[str, Any]) -> dict[str, Any]:
+async def minute_row(minute: int, place: Place, ps: psutil.Process, scrapes: tuple[dict[str, Any], dict[str, Any]],
+                     host: tuple[dict[str, float] | None, dict[str, float]]) -> dict[str, Any]:
+    before, now = scrapes
+    disk, cpu = host
     e2e = delta(buckets(now, E2E), buckets(before, E2E))
     txn = delta(buckets(now, BATCH), buckets(before, BATCH))
     conn = await asyncpg.connect(place.owner_url)
@@ -524,13 +605,16 @@ async def minute_row(minute: int, place: Place, ps: psutil.Process, before: dict
            # The batch transaction (COPY + levels + offsets + COMMIT): a record waits for about one cycle before
            # it is fetched and one cycle to be committed, so the latency tail follows this one.
            "batch_txn_p50_ms": 1000 * quantile(txn, 0.5), "batch_txn_p99_ms": 1000 * quantile(txn, 0.99),
-           "batches": txn[-1][1] if txn else 0, "checkpoints_total": checkpoints}
+           "batches": txn[-1][1] if txn else 0, "checkpoints_total": checkpoints, "disk": disk,
+           "cpu": cpu}
     check_text = ", ".join(f"{k} {1000 * v['seconds']:.0f} ms" for k, v in checks.items()) or "none"
     say(f"minute {minute}: {row['records']:,.0f} records, histogram p50 {row['p50_ms']:.0f} ms, p95 "
         f"{row['p95_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, <=50 ms {100 * row['under_50ms']:.1f}%; "
         f"{row['batches']:,.0f} batches, transaction p50 {row['batch_txn_p50_ms']:.0f} ms, p99 "
         f"{row['batch_txn_p99_ms']:.0f} ms; checkpoints so far {checkpoints}; RSS "
-        f"{row['worker_rss_mib']:.1f} MiB; database {row['database_mib']:.0f} MiB; checks: {check_text}")
+        f"{row['worker_rss_mib']:.1f} MiB; database {row['database_mib']:.0f} MiB; checks: {check_text}; "
+        f"{disk_text(disk)}; CPU: host {cpu['host_busy_pct']:.0f}% busy ({cpu['steal_pct']:.0f}% stolen), worker "
+        f"{cpu['worker_cpu_pct']:.0f}% of a core")
     return row
 
 
@@ -555,12 +639,19 @@ async def exact_latency(place: Place, commits: dict[int, tuple[list[int], list[f
     return {m: exact_percentiles(v) for m, v in by_minute.items()}
 
 
+def disk_text(disk: dict[str, float] | None) -> str:
+    if disk is None:
+        return "disk writes not sampled (no /sys/block)"
+    return (f"disk {disk['written_mib']:.0f} MiB written, at most {disk['max_mib_per_100ms']:.0f} MiB in 100 ms, "
+            f"{disk['bursts']:.0f} bursts >= {DiskWrites.BURST_MIB:.0f} MiB")
+
+
 def render_soak(result: dict[str, Any]) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in result["worker_env"].items()) or "default settings"
     lines = [(f"soak: {result['movements']:,} movements at {result['rate']:,}/s for {result['minutes']:g} min, one "
              f"worker ({settings})"),
-             ("minute  records  p50 ms  p95 ms  p99 ms  max ms  <=50ms  txn p50/p99 ms  RSS MiB  DB MiB  invariant "
-             "checks (ms)")]
+             ("minute  records  p50 ms  p95 ms  p99 ms  max ms  <=50ms  txn p50/p99 ms  RSS MiB  DB MiB  disk bursts  "
+              "host/worker CPU %  invariant checks (ms)")]
     for row in result["per_minute"]:
         x = row["exact"]
         checks = ", ".join(f"{k} {1000 * v['seconds']:.0f}" for k, v in row["invariant_checks"].items()) or "-"
@@ -568,7 +659,8 @@ def render_soak(result: dict[str, Any]) -> str:
                      f"{x.get('p95_ms', float('nan')):>6.0f}  {x.get('p99_ms', float('nan')):>6.0f}  "
                      f"{x.get('max_ms', float('nan')):>6.0f}  {100 * x.get('under_50ms', float('nan')):>5.1f}%  "
                      f"{row['batch_txn_p50_ms']:>6.0f}/{row['batch_txn_p99_ms']:<6.0f}  {row['worker_rss_mib']:>7.1f}  "
-                     f"{row['database_mib']:>6.0f}  {checks}")
+                     f"{row['database_mib']:>6.0f}  {(row.get('disk') or {}).get('bursts', float('nan')):>11.0f}  "
+                     f"{row['cpu']['host_busy_pct']:>8.0f}/{row['cpu']['worker_cpu_pct']:<8.0f}  {checks}")
     v = result["verify"]
     lines.append(f"verify at the end: {v['seconds']:.1f} s, peak RSS {v['peak_rss_mib']:.0f} MiB, exit "
                  f"{v['exit_code']}, {v['last_line']}")
@@ -630,6 +722,12 @@ async def main(argv: Sequence[str]) -> int:
     if args.soak is not None:
         env = dict(e.split("=", 1) for e in args.soak_env)
         results["meta"]["wal_pool"] = prime_wal()
+        results["meta"]["host_writeback"] = writeback = host_writeback()
+        expire = writeback["dirty_expire_centisecs"] or 0
+        if expire >= 1000:
+            say(f"the kernel writes dirty pages back once they are {expire / 100:g} s old: "
+                "the broker's log goes out in bursts that delay a COMMIT about every 30 s (column 'disk bursts'); "
+                "README, '30-minute soak', says how to run without them")
         results["soak"] = await soak(services.kafka, services.admin_url, urls, args.soak, args.rate, env)
         report.append(render_soak(results["soak"]))
     results["meta"]["load_average_at_end"] = os.getloadavg()

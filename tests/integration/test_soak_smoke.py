@@ -50,5 +50,9 @@ def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measu
     assert soak["verify"]["last_line"] == "18000|18000"
     first = soak["per_minute"][0]
     assert set(first) >= {"minute", "p50_ms", "p95_ms", "p99_ms", "under_50ms", "worker_rss_mib", "database_mib",
-                          "invariant_checks", "exact"}
+                          "invariant_checks", "exact", "disk", "cpu"}
+    assert first["cpu"]["worker_cpu_pct"] > 0  # a minute of 300 movements/s costs the worker some CPU
+    if any(Path("/sys/block").glob("*/device")):  # Linux with a real disk: the minute's WAL alone is written there
+        assert first["disk"]["written_mib"] > 0
+        assert set(results["meta"]["host_writeback"]) >= {"dirty_expire_centisecs", "dirty_writeback_centisecs"}
     assert sum(m["exact"].get("rows", 0) for m in soak["per_minute"]) == 18_000

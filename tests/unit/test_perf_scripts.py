@@ -5,8 +5,11 @@ them; what they compute from their measurements, and the input they hand the pee
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import sys
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime, timedelta, timezone
@@ -103,3 +106,44 @@ def test_peak_rss_is_the_commands_own_not_the_bench_process_that_started_it(tmp_
     assert measured["last_line"] == "done"
     assert 60 <= measured["peak_rss_mib"] < 150, measured
     del ballast
+
+
+def test_disk_writes_reports_each_minute_once_its_largest_100ms_write_and_its_bursts() -> None:
+    """The soak's per-minute disk figures: total, largest 100-ms step, steps of 8 MiB or more; then a fresh minute."""
+    disk = bench_scale.DiskWrites()
+    disk.steps = [0.5, 12.0, 0.25, 8.0, 7.9]
+    assert disk.take() == {"written_mib": pytest.approx(28.65), "max_mib_per_100ms": 12.0, "bursts": 2}
+    assert disk.take() is None  # nothing sampled since
+
+
+@pytest.mark.asyncio
+async def test_disk_writes_samples_the_host_disks_written_sectors(tmp_path: Path) -> None:
+    """On Linux with a real disk, a written and synced file shows up in the samples."""
+    disk = bench_scale.DiskWrites()
+    if not disk.disks:
+        pytest.skip("no /sys/block disk with a device here")
+    disk.start()
+    await asyncio.sleep(0.15)
+    with (tmp_path / "f").open("wb") as f:
+        f.write(os.urandom(4 * 1024 * 1024))
+        f.flush()
+        os.fsync(f.fileno())
+    await asyncio.sleep(0.25)
+    disk.stop()
+    taken = disk.take()
+    assert taken is not None
+    assert taken["written_mib"] >= 4
+
+
+def test_cpu_shares_counts_the_workers_own_cpu_against_the_hosts() -> None:
+    """A process that spins for 0.3 s shows up as busy: a share of a core above 0, the host at least as busy."""
+    import psutil  # noqa: PLC0415 - the bench's dependency, not the project's
+
+    shares = bench_scale.CpuShares(psutil.Process())
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    taken = shares.take()
+    assert taken["worker_cpu_pct"] > 0
+    assert 0 < taken["host_busy_pct"] <= 100
+    assert taken["host_busy_pct"] >= taken["worker_cpu_pct"] / psutil.cpu_count() - 1  # the same CPU time, counted once
