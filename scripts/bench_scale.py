@@ -439,7 +439,8 @@ class CpuShares:
 
     def take(self) -> dict[str, float]:
         host, own = psutil.cpu_times(), self.worker.cpu_times()
-        spent = {f: getattr(host, f) - getattr(self.host, f) for f in host._fields}
+        # guest and guest_nice are already inside user and nice: counting them again would inflate the total.
+        spent = {f: getattr(host, f) - getattr(self.host, f) for f in host._fields if not f.startswith("guest")}
         total = sum(spent.values()) or 1.0
         idle = spent.get("idle", 0.0) + spent.get("iowait", 0.0)
         worker = (own.user + own.system) - (self.own.user + self.own.system)

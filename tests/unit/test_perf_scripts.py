@@ -122,6 +122,8 @@ async def test_disk_writes_samples_the_host_disks_written_sectors(tmp_path: Path
     disk = bench_scale.DiskWrites()
     if not disk.disks:
         pytest.skip("no /sys/block disk with a device here")
+    if _filesystem(tmp_path) in {"tmpfs", "ramfs"}:
+        pytest.skip(f"{tmp_path} is in memory ({_filesystem(tmp_path)}): nothing written to a disk")
     disk.start()
     await asyncio.sleep(0.15)
     with (tmp_path / "f").open("wb") as f:
@@ -147,3 +149,12 @@ def test_cpu_shares_counts_the_workers_own_cpu_against_the_hosts() -> None:
     assert taken["worker_cpu_pct"] > 0
     assert 0 < taken["host_busy_pct"] <= 100
     assert taken["host_busy_pct"] >= taken["worker_cpu_pct"] / psutil.cpu_count() - 1  # the same CPU time, counted once
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the file system `path` is on, from the longest matching mount point in /proc/mounts."""
+    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    resolved = str(path.resolve())
+    best = max((m for m in mounts if resolved == m[0] or resolved.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=["/", "unknown"])
+    return best[1]
