@@ -726,9 +726,9 @@ async def main(argv: Sequence[str]) -> int:
         results["meta"]["host_writeback"] = writeback = host_writeback()
         expire = writeback["dirty_expire_centisecs"] or 0
         if expire >= 1000:
-            say(f"the kernel writes dirty pages back once they are {expire / 100:g} s old: "
-                "the broker's log goes out in bursts that delay a COMMIT about every 30 s (column 'disk bursts'); "
-                "README, '30-minute soak', says how to run without them")
+            say(f"the kernel writes dirty pages back once they are {expire / 100:g} s old: the broker's log goes out "
+                f"in bursts that delay a COMMIT about every {expire / 100:g} s (column 'disk bursts'); README, "
+                "'30-minute soak', says how to run without them")
         results["soak"] = await soak(services.kafka, services.admin_url, urls, args.soak, args.rate, env)
         report.append(render_soak(results["soak"]))
     results["meta"]["load_average_at_end"] = os.getloadavg()
