@@ -119,7 +119,7 @@ check_sizing() {
 # A cluster that has run a checkpoint cycle at load holds min_wal_size of recycled WAL segments; a new or restarted
 # one creates (zero-fills, syncs) a segment every few seconds until its first checkpoints end. A soak measures the
 # steady state, so it starts here: switch through min_wal_size of segments (no data written), then a checkpoint
-# recycles them for reuse. Idempotent; about 43 s for 8 GB the first time on this machine kind (by hand).
+# recycles them for reuse. Idempotent; about 50 s for 8 GB (514 segments) from a near-empty pool on this machine kind.
 prime_wal() {
   if [[ -n "${DATABASE_URL:-}" ]]; then
     log "DATABASE_URL is set: its server is not ours to prime; run this where scripts/postgres.sh started PostgreSQL"

@@ -152,9 +152,9 @@ def test_cpu_shares_counts_the_workers_own_cpu_against_the_hosts() -> None:
 
 
 def _filesystem(path: Path) -> str:
-    """The type of the file system `path` is on, from the longest matching mount point in /proc/mounts."""
-    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
-    resolved = str(path.resolve())
-    best = max((m for m in mounts if resolved == m[0] or resolved.startswith(m[0].rstrip("/") + "/")),
-               key=lambda m: len(m[0]), default=["/", "unknown"])
-    return best[1]
+    """The type of the file system `path` is on: that of its longest mount point."""
+    import psutil  # noqa: PLC0415 - the bench's dependency, not the project's
+
+    resolved = path.resolve()
+    mounts = [m for m in psutil.disk_partitions(all=True) if resolved.is_relative_to(m.mountpoint)]
+    return max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else "unknown"
