@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from datetime import UTC, datetime
@@ -312,7 +313,7 @@ def test_built_in_chunks_the_batch_is_the_same_as_built_in_one_go(
         records[partition] = recs
     epochs = {p: p + 1 for p in records}
     builder = BatchBuilder(TOPIC, epochs)
-    sizes = iter(chunk_sizes * 20)
+    sizes = itertools.cycle(chunk_sizes)  # as many chunks as the records need (up to 32 of size 1)
     for partition in sorted(records):
         recs, i = records[partition], 0
         while i < len(recs):
