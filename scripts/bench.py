@@ -203,7 +203,7 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     to_commit: list[float] = []
     to_txn_start = [1000 * (r[3] - r[2]) for r in rows]
     for partition, offset, kafka_ts, _ in rows:
-        lasts, ats = commits.get(partition, ([], []))
+        lasts, ats, _ = commits.get(partition, ([], [], []))
         i = bisect.bisect_left(lasts, offset)
         if i < len(lasts):
             to_commit.append(1000 * (ats[i] - kafka_ts))

@@ -370,18 +370,23 @@ def exact_percentiles(values: array[float]) -> dict[str, float]:
             "under_50ms": sum(1 for v in ordered if v <= 50) / len(ordered)}
 
 
-def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]]]:
-    """partition -> (last offsets, commit times) of each committed batch, from the worker's debug log."""
-    spans: dict[int, list[tuple[int, float]]] = {}
+def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float], list[float]]]:
+    """partition -> (last offsets, commit times, fetch times) of each committed batch, from the worker's debug log.
+    The fetch time is when the worker took the batch's records from its consumer (NaN from a worker that does not
+    log it)."""
+    spans: dict[int, list[tuple[int, float, float]]] = {}
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():
             if '"batch.committed"' not in line:
                 continue
             event = json.loads(line)
             at = datetime.fromisoformat(event["timestamp"]).timestamp()
+            fetched = event.get("fetched")
             for partition, (_first, last, _epoch) in event.get("batch", {}).items():
-                spans.setdefault(int(partition), []).append((int(last), at))
-    return {p: ([last for last, _ in sorted(s)], [at for _, at in sorted(s)]) for p, s in spans.items()}
+                spans.setdefault(int(partition), []).append(
+                    (int(last), at, float("nan") if fetched is None else float(fetched)))
+    return {p: ([x[0] for x in s], [x[1] for x in s], [x[2] for x in s]) for p, s in
+            ((p, sorted(s)) for p, s in spans.items())}
 
 
 class DiskWrites:
@@ -619,25 +624,34 @@ async def minute_row(minute: int, place: Place, ps: psutil.Process, scrapes: tup
     return row
 
 
-async def exact_latency(place: Place, commits: dict[int, tuple[list[int], list[float]]]) -> dict[int, Any]:
-    """Per minute of the soak (by the record's Kafka timestamp): exact quantiles over every row."""
+async def exact_latency(place: Place, commits: dict[int, tuple[list[int], list[float], list[float]]],
+                        ) -> dict[int, Any]:
+    """Per minute of the soak (by the record's Kafka timestamp): exact quantiles over every row, of produce -> commit
+    and of its two parts: produce -> taken by the worker (the producer's linger, the broker, the fetch, the wait for
+    the worker's cycle in progress) and taken -> committed (the build and the batch transaction)."""
     import bisect  # noqa: PLC0415
 
     conn = await asyncpg.connect(place.owner_url)
-    by_minute: dict[int, array[float]] = {}
+    by_minute: dict[int, tuple[array[float], array[float], array[float]]] = {}
     try:
         first = await conn.fetchval("SELECT extract(epoch FROM min(kafka_timestamp))::float8 FROM stock_movements")
         async with conn.transaction():
             async for r in conn.cursor("""SELECT kafka_partition, kafka_offset,
                                                  extract(epoch FROM kafka_timestamp)::float8 FROM stock_movements""",
                                        prefetch=20_000):
-                lasts, ats = commits.get(r[0], ([], []))
+                lasts, ats, fetched = commits.get(r[0], ([], [], []))
                 i = bisect.bisect_left(lasts, r[1])
                 if i < len(lasts):
-                    by_minute.setdefault(int((r[2] - first) // 60) + 1, array("d")).append(1000 * (ats[i] - r[2]))
+                    total, taken, worker = by_minute.setdefault(
+                        int((r[2] - first) // 60) + 1, (array("d"), array("d"), array("d")))
+                    total.append(1000 * (ats[i] - r[2]))
+                    if fetched[i] == fetched[i]:  # not NaN
+                        taken.append(1000 * (fetched[i] - r[2]))
+                        worker.append(1000 * (ats[i] - fetched[i]))
     finally:
         await conn.close()
-    return {m: exact_percentiles(v) for m, v in by_minute.items()}
+    return {m: {**exact_percentiles(total), "to_worker": exact_percentiles(taken),
+                "in_worker": exact_percentiles(worker)} for m, (total, taken, worker) in by_minute.items()}
 
 
 def disk_text(disk: dict[str, float] | None) -> str:
@@ -652,7 +666,7 @@ def render_soak(result: dict[str, Any]) -> str:
     lines = [(f"soak: {result['movements']:,} movements at {result['rate']:,}/s for {result['minutes']:g} min, one "
              f"worker ({settings})"),
              ("minute  records  p50 ms  p95 ms  p99 ms  max ms  <=50ms  txn p50/p99 ms  RSS MiB  DB MiB  disk bursts  "
-              "host/worker CPU %  invariant checks (ms)")]
+              "host/worker CPU %  p99 to/in worker  invariant checks (ms)")]
     for row in result["per_minute"]:
         x = row["exact"]
         checks = ", ".join(f"{k} {1000 * v['seconds']:.0f}" for k, v in row["invariant_checks"].items()) or "-"
@@ -661,7 +675,9 @@ def render_soak(result: dict[str, Any]) -> str:
                      f"{x.get('max_ms', float('nan')):>6.0f}  {100 * x.get('under_50ms', float('nan')):>5.1f}%  "
                      f"{row['batch_txn_p50_ms']:>6.0f}/{row['batch_txn_p99_ms']:<6.0f}  {row['worker_rss_mib']:>7.1f}  "
                      f"{row['database_mib']:>6.0f}  {(row.get('disk') or {}).get('bursts', float('nan')):>11.0f}  "
-                     f"{row['cpu']['host_busy_pct']:>8.0f}/{row['cpu']['worker_cpu_pct']:<8.0f}  {checks}")
+                     f"{row['cpu']['host_busy_pct']:>8.0f}/{row['cpu']['worker_cpu_pct']:<8.0f}  "
+                     f"{x.get('to_worker', {}).get('p99_ms', float('nan')):>8.0f}/"
+                     f"{x.get('in_worker', {}).get('p99_ms', float('nan')):<7.0f}  {checks}")
     v = result["verify"]
     lines.append(f"verify at the end: {v['seconds']:.1f} s, peak RSS {v['peak_rss_mib']:.0f} MiB, exit "
                  f"{v['exit_code']}, {v['last_line']}")

@@ -70,6 +70,7 @@ class Batch:
     rejects: list[tuple[Any, ...]]
     # The raw (key, value) of each movement, parallel to `movements`: kept if the row is quarantined later.
     raw: list[tuple[bytes | None, bytes | None]] = field(default_factory=list)
+    fetched_at: float | None = None  # wall-clock time the records were taken from the consumer (for the bench)
 
     @property
     def size(self) -> int:
@@ -98,7 +99,8 @@ class Batch:
             return None
         keep = [i for i, m in enumerate(self.movements) if m[M_PARTITION] not in partitions]
         return Batch(self.topic, slices, [self.movements[i] for i in keep],
-                     [r for r in self.rejects if r[R_PARTITION] not in partitions], [self.raw[i] for i in keep])
+                     [r for r in self.rejects if r[R_PARTITION] not in partitions], [self.raw[i] for i in keep],
+                     self.fetched_at)
 
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)

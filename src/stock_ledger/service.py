@@ -205,6 +205,7 @@ class Worker:
             if not self._behind:
                 await self._drain()
             fetched = await self._fetch()
+            fetched_at = time.time()
             if not fetched:
                 continue
             self._behind = sum(map(len, fetched.values())) >= self.settings.batch_max_records // 10
@@ -214,6 +215,7 @@ class Worker:
             batch = await self._build(fetched)
             await self._drain()
             if batch is not None:
+                batch.fetched_at = fetched_at
                 self._in_flight = asyncio.create_task(self._write(batch), name="batch")
 
     async def _drain(self) -> None:
@@ -316,7 +318,7 @@ class Worker:
             log.warning("batch.rejected", reason=code, records=n)
         self.metrics.batch_committed(outcome.applied, outcome.rejected, batch.size, seconds, batch.times_ms)
         log.debug("batch.committed", applied=outcome.applied, rejected=sum(outcome.rejected.values()),
-                  seconds=round(seconds, 4))
+                  seconds=round(seconds, 4), fetched=batch.fetched_at)
 
     # ---------------------------------------------------------------- sessions and retries
 

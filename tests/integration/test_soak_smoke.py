@@ -54,5 +54,10 @@ def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measu
     assert first["cpu"]["worker_cpu_pct"] > 0  # a minute of 300 movements/s costs the worker some CPU
     if any(Path("/sys/block").glob("*/device")):  # Linux with a real disk: the minute's WAL alone is written there
         assert first["disk"]["written_mib"] > 0
-        assert set(results["meta"]["host_writeback"]) >= {"dirty_expire_centisecs", "dirty_writeback_centisecs"}
+    assert set(results["meta"]["host_writeback"]) >= {"dirty_expire_centisecs", "dirty_writeback_centisecs"}
     assert sum(m["exact"].get("rows", 0) for m in soak["per_minute"]) == 18_000
+    for m in soak["per_minute"]:
+        exact = m["exact"]
+        if exact["rows"]:  # every row's latency split where the worker took it: two parts, none longer than the whole
+            assert exact["to_worker"]["rows"] == exact["in_worker"]["rows"] == exact["rows"]
+            assert 0 < exact["in_worker"]["max_ms"] <= exact["max_ms"]

@@ -158,3 +158,24 @@ def _filesystem(path: Path) -> str:
     resolved = path.resolve()
     mounts = [m for m in psutil.disk_partitions(all=True) if resolved.is_relative_to(m.mountpoint)]
     return max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else "unknown"
+
+
+def test_commit_times_pairs_each_partitions_batches_with_their_commit_and_fetch_times(tmp_path: Path) -> None:
+    """The soak splits each row's latency at the moment the worker took its batch: the worker logs that moment with
+    each committed batch; a worker that does not (an older one, run through PYTHONPATH) gives NaN, not a guess."""
+    log = tmp_path / "worker.log"
+    lines = [
+        {"event": "batch.committed", "timestamp": "2026-12-01T10:00:00.500000Z", "fetched": 1764583200.25,
+         "batch": {"3": [10, 19, 1], "7": [0, 4, 1]}},
+        {"event": "worker.starting", "timestamp": "2026-12-01T10:00:00.600000Z"},
+        {"event": "batch.committed", "timestamp": "2026-12-01T10:00:00.100000Z", "batch": {"3": [0, 9, 1]}},
+    ]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    commits = bench_scale.commit_times([log])
+    lasts, ats, fetched = commits[3]
+    assert lasts == [9, 19]  # in offset order, whatever the order of the lines
+    assert ats == [datetime(2026, 12, 1, 10, 0, 0, 100_000, tzinfo=UTC).timestamp(),
+                   datetime(2026, 12, 1, 10, 0, 0, 500_000, tzinfo=UTC).timestamp()]
+    assert fetched[0] != fetched[0]  # NaN: not logged
+    assert fetched[1] == 1764583200.25
+    assert commits[7] == ([4], [ats[1]], [1764583200.25])
