@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -385,8 +386,9 @@ def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]
             for partition, (_first, last, _epoch) in event.get("batch", {}).items():
                 spans.setdefault(int(partition), []).append(
                     (int(last), at, float("nan") if fetched is None else float(fetched)))
-    return {p: ([x[0] for x in s], [x[1] for x in s], [x[2] for x in s]) for p, s in
-            ((p, sorted(s)) for p, s in spans.items())}
+    for s in spans.values():
+        s.sort()
+    return {p: ([x[0] for x in s], [x[1] for x in s], [x[2] for x in s]) for p, s in spans.items()}
 
 
 class DiskWrites:
@@ -645,7 +647,7 @@ async def exact_latency(place: Place, commits: dict[int, tuple[list[int], list[f
                     total, taken, worker = by_minute.setdefault(
                         int((r[2] - first) // 60) + 1, (array("d"), array("d"), array("d")))
                     total.append(1000 * (ats[i] - r[2]))
-                    if fetched[i] == fetched[i]:  # not NaN
+                    if not math.isnan(fetched[i]):
                         taken.append(1000 * (fetched[i] - r[2]))
                         worker.append(1000 * (ats[i] - fetched[i]))
     finally:
