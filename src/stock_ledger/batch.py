@@ -8,6 +8,7 @@ are); code reads them by the named indexes below, derived from the column lists,
 from __future__ import annotations
 
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
@@ -17,7 +18,7 @@ import msgspec
 from stock_ledger.domain import Movement, RejectCode, Rejection, parse, pg_text
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
 MOVEMENT_COLUMNS: Final = (
     "movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at",
@@ -39,6 +40,24 @@ def quarantined(m: tuple[Any, ...], key: bytes | None, value: bytes | None, code
     """The quarantine row of a movement row that is not applied after all (a resend, a database refusal)."""
     return (m[M_TOPIC], m[M_PARTITION], m[M_OFFSET], m[M_KAFKA_TS], key, value, code.value, pg_text(reason), m[M_ID])
 
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """Stock level deltas: the summed qty of movements per (warehouse_id, sku), in key order (the order the upsert
+    locks stock_levels rows in), as the three arrays the upsert takes."""
+
+    warehouses: list[str]
+    skus: list[str]
+    deltas: list[int]
+
+
+def level_deltas(movements: Iterable[tuple[Any, ...]]) -> Levels:
+    deltas: defaultdict[tuple[str, str], int] = defaultdict(int)
+    for m in movements:
+        deltas[m[M_WAREHOUSE], m[M_SKU]] += m[M_QTY]
+    keys = sorted(deltas)
+    return Levels([k[0] for k in keys], [k[1] for k in keys], [deltas[k] for k in keys])
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +89,9 @@ class Batch:
     rejects: list[tuple[Any, ...]]
     # The raw (key, value) of each movement, parallel to `movements`: kept if the row is quarantined later.
     raw: list[tuple[bytes | None, bytes | None]] = field(default_factory=list)
+    # `level_deltas(movements)`, summed while the batch is built, so the transaction does not wait for it; None when
+    # not computed. The sink uses it only for this very `movements` list (see sink.add_levels).
+    levels: Levels | None = None
     fetched_at: float | None = None  # wall-clock time the records were taken from the consumer (for the bench)
 
     @property
@@ -93,14 +115,15 @@ class Batch:
         return sum(1 for x in self.slices for ts in x.timestamps_ms if ts != -1 and not 0 <= ts <= MAX_TIMESTAMP_MS)
 
     def without(self, partitions: set[int]) -> Batch | None:
-        """The same batch without these partitions (from the rows we hold, no re-fetch); None if nothing is left."""
+        """The same batch without these partitions (from the rows we hold, no re-fetch); None if nothing is left.
+        Its level deltas are left to the sink to sum again from the rows that remain."""
         slices = [x for x in self.slices if x.partition not in partitions]
         if not slices:
             return None
         keep = [i for i, m in enumerate(self.movements) if m[M_PARTITION] not in partitions]
         return Batch(self.topic, slices, [self.movements[i] for i in keep],
                      [r for r in self.rejects if r[R_PARTITION] not in partitions], [self.raw[i] for i in keep],
-                     self.fetched_at)
+                     fetched_at=self.fetched_at)
 
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
@@ -182,7 +205,7 @@ class BatchBuilder:
             ))
 
     def batch(self) -> Batch:
-        return Batch(self.topic, self.slices, self.movements, self.rejects, self.raw)
+        return Batch(self.topic, self.slices, self.movements, self.rejects, self.raw, level_deltas(self.movements))
 
 
 class _JustTheId(msgspec.Struct):

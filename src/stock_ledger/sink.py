@@ -23,7 +23,7 @@ and 5,000 index probes, and its cached generic plan could turn into a sequential
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -34,9 +34,6 @@ from stock_ledger.batch import (
     M_ID,
     M_OFFSET,
     M_PARTITION,
-    M_QTY,
-    M_SKU,
-    M_WAREHOUSE,
     MOVEMENT_COLUMNS,
     R_CODE,
     R_KEY,
@@ -47,6 +44,8 @@ from stock_ledger.batch import (
     R_VALUE,
     REJECT_COLUMNS,
     Batch,
+    Levels,
+    level_deltas,
     quarantined,
 )
 from stock_ledger.domain import RejectCode, pg_text
@@ -311,7 +310,8 @@ class Ledger:
                 if rejects:
                     await conn.copy_records_to_table("rejected_movements", records=rejects, columns=REJECT_COLUMNS)
             self.faults.reached("after_rows")
-            await add_levels(conn, movements)
+            # The deltas summed at build time hold for the batch's own rows; a lookup or an isolation changed them.
+            await add_levels(conn, movements, batch.levels if movements is batch.movements else None)
             self.faults.reached("before_commit")
         return _Written(len(movements), rejects, bisections)
 
@@ -363,14 +363,12 @@ class Ledger:
         return movements, rejects
 
 
-async def add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, ...]]) -> None:
-    deltas: defaultdict[tuple[str, str], int] = defaultdict(int)
-    for m in movements:
-        deltas[m[M_WAREHOUSE], m[M_SKU]] += m[M_QTY]
-    if not deltas:
-        return
-    keys = sorted(deltas)
-    await conn.execute(_ADD_LEVELS, [k[0] for k in keys], [k[1] for k in keys], [deltas[k] for k in keys])
+async def add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, ...]], levels: Levels | None = None,
+                     ) -> None:
+    """Add the movements' qty to stock_levels; `levels`, if given, must be `level_deltas(movements)`."""
+    levels = level_deltas(movements) if levels is None else levels
+    if levels.deltas:
+        await conn.execute(_ADD_LEVELS, levels.warehouses, levels.skus, levels.deltas)
 
 
 def refusal(exc: BaseException) -> str | None:

@@ -338,3 +338,49 @@ def test_a_builder_refuses_chunks_out_of_order() -> None:
     builder.add(1, [record(1, 0)])
     with pytest.raises(ValueError, match="added again"):
         builder.add(0, [record(0, 7)])
+
+
+def _levels_by_hand(batch: Any) -> dict[tuple[str, str], int]:
+    """The per-(warehouse, sku) sums, from the rows as named columns: an independent reading of the batch."""
+    sums: dict[tuple[str, str], int] = {}
+    for row in batch.movements:
+        m = as_dict(MOVEMENT_COLUMNS, row)
+        sums[m["warehouse_id"], m["sku"]] = sums.get((m["warehouse_id"], m["sku"]), 0) + m["qty"]
+    return sums
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["SKU-1", "SKU-2", "SKU-10", "a", "é"]),
+                          st.sampled_from(["WH-1", "WH-2", "wh"]), st.integers(1, 5), st.booleans()), max_size=40))
+def test_a_built_batch_carries_the_level_deltas_of_its_movements_in_key_order(
+    items: list[tuple[int, str, str, int, bool]],
+) -> None:
+    """The transaction adds the deltas summed while the batch was built: per (warehouse, sku), the sum of the
+    applied movements' qty (not of the quarantined records), keys sorted (the lock order of stock_levels)."""
+    records: dict[int, list[Record]] = {}
+    for partition, sku, warehouse, qty, bad in items:
+        value = json.loads(movement(sku, qty))
+        value["warehouse_id"] = warehouse
+        if bad:
+            value["qty"] = -qty  # a receipt with a negative qty: quarantined, no delta
+        recs = records.setdefault(partition, [])
+        recs.append(Record(partition, len(recs), TS, sku.encode(), json.dumps(value).encode()))
+    batch = build_batch(TOPIC, records, dict.fromkeys(records, 1))
+    assert batch.levels is not None
+    keys = list(zip(batch.levels.warehouses, batch.levels.skus, strict=True))
+    assert keys == sorted(keys)
+    assert dict(zip(keys, batch.levels.deltas, strict=True)) == _levels_by_hand(batch)
+    assert sum(batch.levels.deltas) == sum(qty for _, _, _, qty, bad in items if not bad)
+
+
+def test_a_batch_without_a_partition_leaves_its_deltas_to_be_summed_again() -> None:
+    """A fence or revocation takes partitions out of a built batch: the deltas summed for the whole batch no longer
+    hold, so the smaller batch carries none (the sink sums its rows)."""
+    batch = build_batch(TOPIC, {0: [record(0, 0)], 1: [record(1, 0, movement("SKU-2", 5), key=b"SKU-2")]},
+                        {0: 1, 1: 1})
+    assert batch.levels is not None
+    assert dict(zip(batch.levels.skus, batch.levels.deltas, strict=True)) == {"SKU-1": 3, "SKU-2": 5}
+    smaller = batch.without({1})
+    assert smaller is not None
+    assert smaller.levels is None
+    assert _levels_by_hand(smaller) == {("WH-1", "SKU-1"): 3}
