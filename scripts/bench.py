@@ -40,6 +40,7 @@ import asyncpg
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from stock_ledger import pgtime
 from stock_ledger.batch import MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import produce
@@ -109,6 +110,7 @@ async def raw_consume(bench: Bench, topic: str, ends: dict[int, int]) -> tuple[d
 async def raw_copy(bench: Bench, topic: str, kept: Sequence[tuple[Any, ...]]) -> dict[str, float]:
     say(f"raw COPY: {len(kept):,} rows in batches of {bench.batch:,} into a copy of stock_movements")
     conn = await bench.owner()
+    await pgtime.install(conn)  # the rows' timestamps are in the wire form the worker's session takes
     copied, timed = 0, 0.0
     try:
         await conn.execute("DROP TABLE IF EXISTS bench_copy")

@@ -30,6 +30,7 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from stock_ledger import pgtime
 from stock_ledger.batch import M_ID, M_OFFSET, M_PARTITION, M_TOPIC
 from stock_ledger.clients import connect_database, kafka_options
 from stock_ledger.domain import Movement, RejectCode, parse
@@ -184,6 +185,7 @@ def parse_time(raw: str, what: str) -> datetime:
 async def _owner(settings: Settings) -> asyncpg.Connection:
     conn = await connect_database(settings, application_name="stock-ledger-operator")
     await conn.execute(f"SET lock_timeout = {int(settings.lock_timeout_ms)}")
+    await pgtime.install(conn)  # a replayed movement keeps its exact time, as the worker writes it
     return conn
 
 

@@ -23,6 +23,7 @@ and 5,000 index probes, and its cached generic plan could turn into a sequential
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import asyncpg
 import structlog
 
+from stock_ledger import pgtime
 from stock_ledger.batch import (
     M_ID,
     M_OFFSET,
@@ -220,6 +222,8 @@ class Ledger:
     def __init__(self, group_id: str, faults: Faults) -> None:
         self.group_id = group_id
         self.faults = faults
+        # Sessions that take batch rows' timestamps in their wire form (pgtime.install, once per session).
+        self._wire_sessions: weakref.WeakSet[asyncpg.Connection] = weakref.WeakSet()
 
     async def claim(  # noqa: PLR0913 - the claim's whole input, as stored beside it
         self, conn: asyncpg.Connection, topic: str, partitions: Iterable[int], generation: int | None,
@@ -257,6 +261,9 @@ class Ledger:
 
     async def apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
         """THE batch transaction. Raises FencedError, OffsetRegressionError or CoordinateConflictError."""
+        if conn not in self._wire_sessions:
+            await pgtime.install(conn)
+            self._wire_sessions.add(conn)
         look_up_known = isolate = False
         try:
             while True:
