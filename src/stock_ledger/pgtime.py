@@ -5,7 +5,7 @@ codec format takes, and `install` makes a session accept it. Two reasons:
 - exact: asyncpg's own encoder writes 0001-01-01T00:00:00Z and 9999-12-31T23:59:59.999999Z, the two ends of the
   range a movement may carry, as -infinity and infinity (they equal its sentinels for datetime.min and max): the
   ledger would hold a time the movement never said, and `stock --at` would miss it.
-- cheap: that encoder converts each datetime to UTC and subtracts through Python objects, about 1.2 µs a value, and
+- cheap: that encoder converts each datetime to UTC and subtracts through Python objects, 1-1.6 µs a value, and
   it runs inside the batch transaction (the server waits for it); the builder computes the integer while the batch
   before commits.
 An installed session still takes datetimes and still returns datetimes, exactly as asyncpg's codec does, apart from
