@@ -103,11 +103,11 @@ async def test_a_wire_value_out_of_range_is_a_refusal_and_is_quarantined(
         "SELECT reason FROM rejected_movements ORDER BY kafka_offset")]
     assert len(reasons) == 2
     assert all("OverflowError" in r and "0001-01-01T00:00:00Z..9999-12-31T23:59:59.999999Z" in r for r in reasons)
+    # The level deltas summed at build time covered all four rows: the two the sink wrote count, no more.
+    assert await plain.fetchval("SELECT on_hand FROM stock_levels WHERE sku = 'SKU-1'") == 2 * 5
 
 
-async def test_an_installed_session_takes_and_returns_datetimes_as_asyncpg_does(
-    plain: asyncpg.Connection, database: Env,
-) -> None:
+async def test_an_installed_session_takes_and_returns_datetimes_as_asyncpg_does(database: Env) -> None:
     """What other statements send and read on a session the sink set up (the operator's replay, a claim): aware and
     naive datetimes, a date, asyncpg's infinity sentinels, as scalars and in arrays, are stored as on a plain
     session, and read back as the same values. Only the two instants asyncpg confuses with its sentinels differ."""
