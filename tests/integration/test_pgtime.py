@@ -14,11 +14,14 @@ from decimal import Decimal
 import asyncpg
 import pytest
 import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stock_ledger import pgtime
 from stock_ledger.batch import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.faults import Faults
 from stock_ledger.sink import Ledger
+from tests.fuzz import new_topic
 from tests.helpers import Env, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
@@ -81,6 +84,61 @@ async def test_the_ledger_stores_each_record_s_exact_instants_at_both_ends_of_th
             assert r["kafka_timestamp"] == UNIX + timedelta(milliseconds=ms)
         else:
             assert r["kts"] is None, ms
+
+
+def _wall(*fields: int) -> datetime:
+    """A wall-clock time, no offset yet (the fuzz adds one): naive on purpose."""
+    return datetime(*fields, tzinfo=UTC).replace(tzinfo=None)
+
+
+_LOCAL = st.one_of(
+    st.sampled_from([_wall(1, 1, 1), _wall(1, 1, 1, 23, 59), _wall(9999, 12, 31, 23, 59, 59, 999_999),
+                     _wall(9999, 12, 31), _wall(2000, 1, 1), _wall(1970, 1, 1)]),
+    st.datetimes(min_value=_wall(1, 1, 1), max_value=_wall(9999, 12, 31, 23, 59, 59, 999_999)),
+)
+
+
+def _stamp(local: datetime, offset_minutes: int) -> str:
+    sign, minutes = "-" if offset_minutes < 0 else "+", abs(offset_minutes)
+    return f"{local.isoformat(timespec='microseconds')}{sign}{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(st.tuples(_LOCAL, st.integers(-1439, 1439), st.integers(-2, MAX_TIMESTAMP_MS + 2)),
+                      min_size=1, max_size=30))
+async def test_any_time_a_record_carries_is_stored_exactly_or_quarantined(
+    database: Env, items: list[tuple[datetime, int, int]],
+) -> None:
+    """Fuzz: any local time with any offset up to ±23:59 and any Kafka timestamp, through `build_batch` and
+    `Ledger.apply`: a movement whose instant lies in 0001-01-01T00:00:00Z..9999-12-31T23:59:59.999999Z is stored
+    exactly (the server's `extract(epoch …)` against the instant Python's own parser reads from the string), any
+    other is quarantined as out_of_range; a Kafka timestamp is stored exactly or NULL."""
+    topic = new_topic()
+    sent = [_stamp(local, offset) for local, offset, _ in items]
+    records = [Record(0, i, ms, b"SKU-1", json.dumps(movement("SKU-1", occurred_at=stamp)).encode())
+               for i, (stamp, (_, _, ms)) in enumerate(zip(sent, items, strict=True))]
+    conn = await asyncpg.connect(database.worker_url)
+    try:
+        ledger = Ledger("fuzz", Faults(None))
+        (claim,) = await ledger.claim(conn, topic, [0], None, None)
+        await ledger.apply(conn, build_batch(topic, {0: records}, {0: claim.epoch}))
+        stored = {r["kafka_offset"]: (r["occ"], r["kts"]) for r in await conn.fetch(
+            "SELECT kafka_offset, extract(epoch FROM occurred_at) * 1000000 AS occ, "
+            "extract(epoch FROM kafka_timestamp) * 1000000 AS kts FROM stock_movements WHERE kafka_topic = $1", topic)}
+        quarantined = {r["kafka_offset"]: r["reason_code"] for r in await conn.fetch(
+            "SELECT kafka_offset, reason_code FROM rejected_movements WHERE kafka_topic = $1", topic)}
+    finally:
+        await conn.close()
+    for i, (stamp, (_, _, ms)) in enumerate(zip(sent, items, strict=True)):
+        try:
+            instant = datetime.fromisoformat(stamp).astimezone(UTC)
+        except OverflowError:
+            assert quarantined.get(i) == "out_of_range", stamp
+            continue
+        assert i in stored, (stamp, quarantined.get(i))
+        occ, kts = stored[i]
+        assert occ == since_unix_us(instant), stamp
+        assert kts == (Decimal(ms * 1000) if 0 <= ms <= MAX_TIMESTAMP_MS else None), ms
 
 
 async def test_a_wire_value_out_of_range_is_a_refusal_and_is_quarantined(
