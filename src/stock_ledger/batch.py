@@ -9,15 +9,17 @@ timestamps are in PostgreSQL's binary form (`pgtime`: exact, and cheap for the t
 from __future__ import annotations
 
 import uuid
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
 from stock_ledger.domain import Movement, RejectCode, Rejection, parse, pg_text
-from stock_ledger.pgtime import Micros, micros
+from stock_ledger.pgtime import PG_EPOCH, Micros, micros
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -100,21 +102,24 @@ class Batch:
     def size(self) -> int:
         return len(self.movements) + len(self.rejects)
 
+    # These three run once per batch over every record: list operations in C, no Python step per record.
     @property
     def timestamps_ms(self) -> list[int]:
         """Every record's Kafka timestamp as it came (-1: none)."""
-        return [ts for x in self.slices for ts in x.timestamps_ms]
+        return list(chain.from_iterable(x.timestamps_ms for x in self.slices))
 
     @property
     def times_ms(self) -> list[int]:
-        """The Kafka timestamps that are times (the latency metric's input)."""
-        return [ts for x in self.slices for ts in x.timestamps_ms if 0 <= ts <= MAX_TIMESTAMP_MS]
+        """The Kafka timestamps that are times (the latency metric's input), in ascending order."""
+        ordered = sorted(self.timestamps_ms)
+        return ordered[bisect_left(ordered, 0):bisect_right(ordered, MAX_TIMESTAMP_MS)]
 
     @property
     def bad_timestamps(self) -> int:
         """Records whose Kafka timestamp is neither -1 (none) nor a time PostgreSQL and Python can hold (a producer
         that sends microseconds, a negative value): stored as NULL kafka_timestamp, counted for the metric."""
-        return sum(1 for x in self.slices for ts in x.timestamps_ms if ts != -1 and not 0 <= ts <= MAX_TIMESTAMP_MS)
+        every = self.timestamps_ms
+        return len(every) - len(self.times_ms) - every.count(-1)
 
     def without(self, partitions: set[int]) -> Batch | None:
         """The same batch without these partitions (from the rows we hold, no re-fetch); None if nothing is left.
@@ -134,11 +139,16 @@ MAX_TIMESTAMP_MS: Final = (datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UT
     milliseconds=1)
 
 
+# 2000-01-01T00:00:00Z in ms since the Unix epoch: a Kafka timestamp in the wire form is (ms - this) * 1000.
+_PG_EPOCH_MS: Final = (PG_EPOCH - _EPOCH) // timedelta(milliseconds=1)
+
+
 def _ts(ms: int) -> Micros | None:
-    """A Kafka record timestamp in the wire form; None for -1 (no timestamp) and anything out of range."""
+    """A Kafka record timestamp in the wire form; None for -1 (no timestamp) and anything out of range. Integer
+    arithmetic: exact, and a tenth of the cost of going through a datetime (once per record)."""
     if not 0 <= ms <= MAX_TIMESTAMP_MS:
         return None
-    return micros(_EPOCH + timedelta(milliseconds=ms))  # exact, unlike a float division
+    return ((ms - _PG_EPOCH_MS) * 1000,)
 
 
 def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int]) -> Batch:
@@ -163,8 +173,6 @@ class BatchBuilder:
         self.raw: list[tuple[bytes | None, bytes | None]] = []
         # Keyed by UUID.int: uuid.UUID hashes in Python code, an int in C. This loop runs once per record.
         self.seen_ids: set[int] = set()
-        # Records produced in the same millisecond share a timestamp (~70% of them under load): one value each.
-        self.stamps: dict[int, Micros | None] = {}
 
     def add(self, partition: int, recs: Sequence[Record]) -> None:
         if not recs:
@@ -181,13 +189,9 @@ class BatchBuilder:
                 raise ValueError(f"partition {partition} added again after another partition")
             self.slices.append(PartitionSlice(partition, self.epochs[partition], recs[0].offset,
                                               recs[-1].offset + 1, [r.timestamp for r in recs]))
-        topic, movements, rejects, raw, seen_ids, stamps = (
-            self.topic, self.movements, self.rejects, self.raw, self.seen_ids, self.stamps)
+        topic, movements, rejects, raw, seen_ids = self.topic, self.movements, self.rejects, self.raw, self.seen_ids
         for r in recs:
-            ms = r.timestamp
-            kafka_ts = stamps.get(ms)
-            if kafka_ts is None:
-                kafka_ts = stamps[ms] = _ts(ms)
+            kafka_ts = _ts(r.timestamp)
             parsed = parse(r.key, r.value)
             if isinstance(parsed, Movement):
                 mid = parsed.movement_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import platform
 import threading
 import time
@@ -38,6 +39,18 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+def _first_within(now: float, bound: float) -> int:
+    """The least integer timestamp (ms) whose age at `now`, `now - ts / 1000` in float arithmetic, is at most `bound`
+    seconds: the age falls as ts rises, so the estimate from one multiplication is corrected by the comparison
+    itself."""
+    ts = math.ceil((now - bound) * 1000)
+    while now - (ts - 1) / 1000 <= bound:
+        ts -= 1
+    while now - ts / 1000 > bound:
+        ts += 1
+    return ts
+
+
 class BatchHistogram(Collector):
     """A histogram fed a batch at a time: one sort and a bisect per bucket. prometheus_client's Histogram takes a
     lock and walks its buckets in Python for every value: ~2 us a record, ~10% of the worker's throughput
@@ -51,15 +64,23 @@ class BatchHistogram(Collector):
         self._lock = threading.Lock()  # the exposition may be rendered from another thread
         registry.register(self)
 
-    def observe_many(self, values: Sequence[float]) -> None:
-        ordered = sorted(values)
+    def observe_ages(self, now: float, timestamps_ms: Sequence[int]) -> None:
+        """Observe each timestamp's age at `now`: `max(0, now - ts / 1000)` seconds; negative timestamps ("none")
+        are skipped. Without a Python step per value (a list of a batch's ages cost ~3 % of the worker's CPU): ages
+        fall as timestamps rise, so the values within a bound are the timestamps from a threshold on."""
+        ordered = sorted(timestamps_ms)
+        ordered = ordered[bisect.bisect_left(ordered, 0):]
+        n = len(ordered)
+        ahead = bisect.bisect_left(ordered, _first_within(now, 0.0))  # the ones older than 0 s: the sum's terms
         with self._lock:
             below = 0
             for i, bound in enumerate(self._bounds):
-                upto = bisect.bisect_right(ordered, bound)
+                upto = n if bound == math.inf else n - bisect.bisect_left(ordered, _first_within(now, bound))
                 self._counts[i] += upto - below
                 below = upto
-            self._sum += sum(ordered)
+            if ahead:  # Σ (now - ts / 1000) from the oldest: exact integers but for one float term
+                oldest = ordered[0]
+                self._sum += ahead * (now - oldest / 1000) - (sum(ordered[:ahead]) - ahead * oldest) / 1000
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -187,7 +208,7 @@ class Metrics:
         self.batch_records.observe(records)
         now = time.time()
         self.last_commit.set(now)
-        self.end_to_end.observe_many([max(0.0, now - ts / 1000) for ts in timestamps_ms if ts >= 0])
+        self.end_to_end.observe_ages(now, timestamps_ms)
 
     def count_input_anomalies(self, bad_timestamps: int, bisections: int) -> None:
         """Per committed batch: out-of-range Kafka timestamps stored as NULL, and splits to isolate refused rows."""

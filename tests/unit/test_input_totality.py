@@ -244,6 +244,8 @@ def test_build_batch_puts_every_record_in_exactly_one_list_with_storable_values(
         assert row[3] is None or readable(row[3])
     assert batch.bad_timestamps == sum(
         1 for recs in records.values() for r in recs if r.timestamp != -1 and not 0 <= r.timestamp <= MAX_TIMESTAMP_MS)
+    assert batch.times_ms == sorted(  # the latency metric's input: every timestamp that is a time, no other
+        r.timestamp for recs in records.values() for r in recs if 0 <= r.timestamp <= MAX_TIMESTAMP_MS)
 
 
 @settings(max_examples=200, deadline=None)
