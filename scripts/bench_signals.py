@@ -9,7 +9,8 @@ Three measurements, each in its own scratch database (dropped at the end), on th
             path's physical limit and the index's cost is the largest it can be relative to it.
 2. levels   the batch transaction's level upsert (`sink._ADD_LEVELS`, one statement per batch of the worker's
             size) on K (warehouse, sku) pairs with some going negative: the upsert before issue 16 (no column, no
-            index), issue 16's (went_negative_at + a partial index on it), and the partial index on
+            index), issue 16's (went_negative_at + a partial index on it) with full pages, the same with
+            fillfactor 70 (migration 0007: room for HOT updates on each page), and the partial index on
             `on_hand < 0` (which makes every level update a non-HOT update).
 3. explain  preloads N movements (default 20,000,000) with `stock_levels` to match, then EXPLAIN ANALYZEs and times
             (one warm run) the statements of `stock_ledger.stock` and the negative-stock metric query. The database
@@ -159,12 +160,15 @@ async def bench_copy(admin: str, opts: argparse.Namespace) -> dict[str, Any]:
 
 _DROP_0004: Final = ("ALTER TABLE stock_levels DROP CONSTRAINT stock_levels_went_negative_at_check; "
                      "DROP INDEX stock_levels_negative_idx; ALTER TABLE stock_levels DROP COLUMN went_negative_at;")
+_FULL_PAGES: Final = "ALTER TABLE stock_levels SET (fillfactor = 100);"  # as before migration 0007
 _LEVEL_VARIANTS: Final = {
     # label -> (DDL after migration 0004, upsert)
-    "before issue 16": (_DROP_0004, _ADD_LEVELS_BEFORE),
-    "went_negative_at + partial index (0004)": ("", sink._ADD_LEVELS),  # noqa: SLF001 - the statement under test
+    "before issue 16": (_FULL_PAGES + _DROP_0004, _ADD_LEVELS_BEFORE),
+    "went_negative_at + partial index (0004), full pages": (_FULL_PAGES, sink._ADD_LEVELS),  # noqa: SLF001
+    "the same, fillfactor 70 (0007)": ("", sink._ADD_LEVELS),  # noqa: SLF001
     "partial index WHERE on_hand < 0": (
-        _DROP_0004 + "CREATE INDEX stock_levels_lt0_idx ON stock_levels (warehouse_id, sku) WHERE on_hand < 0",
+        _FULL_PAGES + _DROP_0004
+        + "CREATE INDEX stock_levels_lt0_idx ON stock_levels (warehouse_id, sku) WHERE on_hand < 0",
         _ADD_LEVELS_BEFORE,
     ),
 }
@@ -214,7 +218,8 @@ async def bench_levels(admin: str, opts: argparse.Namespace) -> dict[str, Any]:
     per_batch: dict[str, list[float]] = {label: [] for label in _LEVEL_VARIANTS}
     hot: dict[str, list[float]] = {label: [] for label in _LEVEL_VARIANTS}
     for r in range(opts.repeat):
-        for label in list(_LEVEL_VARIANTS)[r % 3:] + list(_LEVEL_VARIANTS)[:r % 3]:  # rotate who goes first
+        n = r % len(_LEVEL_VARIANTS)
+        for label in list(_LEVEL_VARIANTS)[n:] + list(_LEVEL_VARIANTS)[:n]:  # rotate who goes first
             seconds, share = await levels_once(admin, label, opts)
             per_batch[label].append(seconds)
             hot[label].append(share)
