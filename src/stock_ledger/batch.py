@@ -145,7 +145,7 @@ _PG_EPOCH_MS: Final = (PG_EPOCH - _EPOCH) // timedelta(milliseconds=1)
 
 def _ts(ms: int) -> Micros | None:
     """A Kafka record timestamp in the wire form; None for -1 (no timestamp) and anything out of range. Integer
-    arithmetic: exact, and a tenth of the cost of going through a datetime (once per record)."""
+    arithmetic: exact, and a fraction of the cost of going through a datetime (this runs once per record)."""
     if not 0 <= ms <= MAX_TIMESTAMP_MS:
         return None
     return ((ms - _PG_EPOCH_MS) * 1000,)
