@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from stock_ledger.domain import Movement, RejectCode, Rejection, parse, pg_text
-from stock_ledger.pgtime import PG_EPOCH, Micros, micros
+from stock_ledger.pgtime import PG_EPOCH_MS, Micros, micros
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -139,16 +139,12 @@ MAX_TIMESTAMP_MS: Final = (datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UT
     milliseconds=1)
 
 
-# 2000-01-01T00:00:00Z in ms since the Unix epoch: a Kafka timestamp in the wire form is (ms - this) * 1000.
-_PG_EPOCH_MS: Final = (PG_EPOCH - _EPOCH) // timedelta(milliseconds=1)
-
-
 def _ts(ms: int) -> Micros | None:
     """A Kafka record timestamp in the wire form; None for -1 (no timestamp) and anything out of range. Integer
     arithmetic: exact, and a fraction of the cost of going through a datetime (this runs once per record)."""
     if not 0 <= ms <= MAX_TIMESTAMP_MS:
         return None
-    return ((ms - _PG_EPOCH_MS) * 1000,)
+    return ((ms - PG_EPOCH_MS) * 1000,)
 
 
 def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int]) -> Batch:
