@@ -1,0 +1,152 @@
+"""The worker's fetch loop: a batch taken from the consumer in chunks. Its bookkeeping is pure logic, tested here
+against a consumer that plays scripted answers; the real consumer and broker run it in tests/integration and
+tests/chaos (every drain, crash and rebalance test goes through it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import OffsetOutOfRangeError
+from hypothesis import given
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from stock_ledger.service import Worker, take
+
+
+@dataclass(frozen=True)
+class _Rec:
+    offset: int
+
+
+class _ScriptedConsumer:
+    """Plays getmany's answers from a script (a chunk of records per partition, or an exception to raise) and
+    records seeks: the fetch loop's bookkeeping is pure logic; the real consumer runs in tests/integration."""
+
+    def __init__(self, script: list[dict[TopicPartition, list[_Rec]] | Exception], assigned: set[TopicPartition],
+                 ) -> None:
+        self.script = script
+        self.assigned = assigned
+        self.calls: list[tuple[int, int]] = []
+        self.seeks: list[tuple[TopicPartition, int]] = []
+
+    async def getmany(self, *, timeout_ms: int, max_records: int) -> dict[TopicPartition, list[_Rec]]:
+        self.calls.append((timeout_ms, max_records))
+        step = self.script.pop(0) if self.script else {}
+        if isinstance(step, Exception):
+            raise step
+        assert sum(map(len, step.values())) <= max_records, "the script hands out no more than asked"
+        return step
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks.append((tp, offset))
+
+    def assignment(self) -> set[TopicPartition]:
+        return self.assigned
+
+    def play(self, w: Worker, monkeypatch: pytest.MonkeyPatch) -> _ScriptedConsumer:
+        """In place of the worker's (unstarted) consumer's own methods, so its fixture still closes it."""
+        for name in ("getmany", "seek", "assignment"):
+            monkeypatch.setattr(w.consumer, name, getattr(self, name))
+        return self
+
+
+def _recs(first: int, n: int) -> list[_Rec]:
+    return [_Rec(o) for o in range(first, first + n)]
+
+
+TP0, TP1 = TopicPartition("t", 0), TopicPartition("t", 1)
+
+
+@pytest.mark.asyncio
+class TestFetch:
+    """`Worker._fetch` takes a batch in chunks so the transaction in flight is not held up; whatever it took from
+    the consumer must end up in the batch or be given back by a seek: a record taken and dropped would leave a hole
+    that the next fetch starts past."""
+
+    async def test_chunks_add_up_to_a_batch_and_only_the_first_waits(
+        self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        w = make(batch_max_records=1200, batch_max_wait_ms=300)
+        fake = _ScriptedConsumer(
+            [{TP0: _recs(0, 300), TP1: _recs(10, 200)}, {TP0: _recs(300, 500)}, {TP1: _recs(210, 200)}],
+            {TP0, TP1}).play(w, monkeypatch)
+        fetched = await w._fetch()
+        assert [r.offset for r in fetched[TP0]] == list(range(800))
+        assert [r.offset for r in fetched[TP1]] == list(range(10, 410))
+        assert fake.calls == [(300, 500), (0, 500), (0, 200)]  # then the batch is full: no fourth call
+        assert fake.seeks == []
+
+    async def test_an_empty_chunk_ends_the_fetch(
+        self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        w = make(batch_max_records=5000)
+        fake = _ScriptedConsumer([{TP0: _recs(5, 3)}, {}, {TP0: _recs(8, 3)}], {TP0}).play(w, monkeypatch)
+        assert {tp: [r.offset for r in rs] for tp, rs in (await w._fetch()).items()} == {TP0: [5, 6, 7]}
+        assert len(fake.calls) == 2
+
+    async def test_a_chunk_sought_back_in_between_is_given_back(
+        self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """The batch in flight found partition 0 stale and sought it back to 100 between two chunks."""
+        w = make(batch_max_records=5000)
+        fake = _ScriptedConsumer(
+            [{TP0: _recs(100, 50), TP1: _recs(0, 50)}, {TP0: _recs(100, 20), TP1: _recs(50, 20)}, {TP1: _recs(70, 5)}],
+            {TP0, TP1}).play(w, monkeypatch)
+        with capture_logs() as logs:
+            fetched = await w._fetch()
+        assert [r.offset for r in fetched[TP0]] == list(range(100, 150))
+        assert [r.offset for r in fetched[TP1]] == list(range(70))  # the partition that did not move keeps its chunk
+        assert fake.seeks == [(TP0, 100)]
+        assert len(fake.calls) == 2  # no more chunks after a give-back
+        assert [e["event"] for e in logs] == ["fetch.give_back"]
+
+    async def test_a_partition_no_longer_assigned_is_not_sought(
+        self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        w = make(batch_max_records=5000)
+        fake = _ScriptedConsumer([{TP0: _recs(7, 2)}, {TP0: _recs(7, 2)}], set()).play(w, monkeypatch)
+        assert [r.offset for r in (await w._fetch())[TP0]] == [7, 8]
+        assert fake.seeks == []
+
+    async def test_an_error_after_the_first_chunk_keeps_what_was_taken(
+        self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """aiokafka raises a partition's fetch error only from a call that took nothing, once: the chunks taken
+        before it stay in the batch, and the hole goes to the claim path as before."""
+        w = make(batch_max_records=5000)
+        reexamined: list[tuple[list[int], str]] = []
+        monkeypatch.setattr(w.claimer, "reexamine", lambda ps, reason: reexamined.append((list(ps), reason)))
+        _ScriptedConsumer(
+            [{TP0: _recs(0, 10)}, OffsetOutOfRangeError({TP1: 42}), {TP0: _recs(10, 10)}],
+            {TP0, TP1}).play(w, monkeypatch)
+        fetched = await w._fetch()
+        assert [r.offset for r in fetched[TP0]] == list(range(10))
+        assert [ps for ps, _ in reexamined] == [[1]]
+
+
+@given(st.lists(st.dictionaries(st.sampled_from([TP0, TP1]), st.tuples(st.integers(0, 80), st.integers(0, 8))),
+                max_size=8))
+def test_take_loses_no_record_and_keeps_each_partition_in_order(
+    chunks: list[dict[TopicPartition, tuple[int, int]]],
+) -> None:
+    """Any run of chunks (a chunk: consecutive offsets from any start, as after any seek): every record taken is in
+    `fetched` or at or after an offset given back for its partition; each partition's records stay increasing."""
+    fetched: dict[TopicPartition, list[_Rec]] = {}
+    given_back: dict[TopicPartition, list[int]] = {}
+    taken: dict[TopicPartition, set[int]] = {}
+    for chunk in chunks:
+        got = {tp: _recs(first, n) for tp, (first, n) in chunk.items()}
+        for tp, recs in got.items():
+            taken.setdefault(tp, set()).update(r.offset for r in recs)
+        for tp, offset in take(fetched, got).items():
+            assert offset == got[tp][0].offset
+            given_back.setdefault(tp, []).append(offset)
+    for tp, offsets in taken.items():
+        kept = [r.offset for r in fetched.get(tp, [])]
+        assert kept == sorted(set(kept))
+        lost = offsets - set(kept) - {o for b in given_back.get(tp, []) for o in offsets if o >= b}
+        assert not lost
