@@ -265,9 +265,10 @@ class Worker:
                              reason="sought back while the batch was being fetched")
                     if tp in self.consumer.assignment():  # else its next owner's claim positions it
                         self.consumer.seek(tp, offset)
-                if not got or back:
+                taken = sum(map(len, got.values()))
+                if not taken or back:
                     break
-                wanted -= sum(map(len, got.values()))
+                wanted -= taken
                 timeout_ms = 0  # only what has arrived: the batch in flight is not kept waiting for more
                 await asyncio.sleep(0)
         except OffsetOutOfRangeError as exc:

@@ -88,6 +88,15 @@ class TestFetch:
         assert {tp: [r.offset for r in rs] for tp, rs in (await w._fetch()).items()} == {TP0: [5, 6, 7]}
         assert len(fake.calls) == 2
 
+    async def test_a_chunk_of_empty_lists_ends_the_fetch(
+        self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """aiokafka leaves empty lists out, but a chunk of them must not keep the loop asking without end."""
+        w = make(batch_max_records=5000)
+        fake = _ScriptedConsumer([{TP0: _recs(0, 2)}, *[{TP0: []}] * 50], {TP0}).play(w, monkeypatch)
+        assert [r.offset for r in (await w._fetch())[TP0]] == [0, 1]
+        assert len(fake.calls) == 2
+
     async def test_a_chunk_sought_back_in_between_is_given_back(
         self, make: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
     ) -> None:
