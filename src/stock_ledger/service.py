@@ -245,8 +245,8 @@ class Worker:
 
     async def _fetch(self) -> dict[TopicPartition, list[Any]]:
         """Up to a batch of records, taken in chunks with the event loop turning in between. aiokafka makes a
-        Python object of every record inside `getmany`: taken in one go, 5,000 of them held the loop for 10-15 ms
-        while the batch in flight waited to send its next statement.
+        Python object of every record inside `getmany`: taken in one go, 5,000 buffered records held the loop for
+        ~15 ms (docs/bench/fetch-chunks-2026-12-01) while the batch in flight waited to send its next statement.
 
         Records once taken are never dropped (a partition's next fetch would start past them): an error ends the
         loop with what was taken before it (aiokafka raises only from a call that took nothing), and a chunk that
