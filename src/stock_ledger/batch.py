@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from stock_ledger.domain import Movement, RejectCode, Rejection, parse, pg_text
-from stock_ledger.pgtime import PG_EPOCH_MS, Micros, micros
+from stock_ledger.pgtime import PG_EPOCH_MS, UNIX_EPOCH, Micros, micros
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -133,9 +133,8 @@ class Batch:
                      fetched_at=self.fetched_at)
 
 
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 # The last millisecond Python's datetime can hold (9999-12-31T23:59:59.999Z); timestamptz reaches further.
-MAX_TIMESTAMP_MS: Final = (datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC) - _EPOCH) // timedelta(
+MAX_TIMESTAMP_MS: Final = (datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC) - UNIX_EPOCH) // timedelta(
     milliseconds=1)
 
 

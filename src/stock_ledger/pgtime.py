@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 Micros = tuple[int]  # the wire form: (microseconds since 2000-01-01T00:00:00Z,)
 
 PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=UTC)
+UNIX_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 MICROSECOND: Final = timedelta(microseconds=1)
 # PG_EPOCH in ms since the Unix epoch: a Kafka record timestamp (ms) in the wire form is ((ms - this) * 1000,).
-PG_EPOCH_MS: Final = (PG_EPOCH - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(milliseconds=1)
+PG_EPOCH_MS: Final = (PG_EPOCH - UNIX_EPOCH) // timedelta(milliseconds=1)
 # PostgreSQL's binary infinities, and the naive datetimes asyncpg maps them to (and back).
 _INFINITY: Final = 2**63 - 1
 _NEGATIVE_INFINITY: Final = -(2**63)
