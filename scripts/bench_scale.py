@@ -121,8 +121,13 @@ def java_producer(kafka: str, topic: str, count: int, mode: str | None = None) -
     Kafka jars; None where Java or the jars are missing."""
     if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
         return None
-    return ["java", "-Xmx256m", "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"), kafka, topic,
-            str(count), str(PARTITIONS), *([mode] if mode else [])]
+    # Paced (the soak's load), the producer shares the host with what it measures: C1 alone and the serial
+    # collector compile and collect less while the soak's first minute runs (with the cheaper values of
+    # FastProducer.java: 13.0-14.8 CPU-s for 30 s at 20,000/s, JVM start included, against 22.8-26.2 before;
+    # docs/bench/pinned-2026-12-02/producer-cpu.txt). Unpaced, C2's faster code is worth its compiling.
+    paced = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"] if mode not in {None, "sparse"} else []
+    return ["java", "-Xmx256m", *paced, "-cp", f"{KAFKA_LIBS}/*", str(ROOT / "scripts" / "FastProducer.java"), kafka,
+            topic, str(count), str(PARTITIONS), *([mode] if mode else [])]
 
 
 def fast_produce(kafka: str, topic: str, count: int, records: str = "tiny") -> float:
@@ -437,23 +442,44 @@ class DiskWrites:
 
 
 class CpuShares:
-    """Per minute, the share of the host's CPU time that was busy, stolen by the hypervisor, and the worker's own:
-    a slow minute with the host busier and the worker not is the host's, not the worker's."""
+    """Per minute, the share of the host's CPU time that was busy, stolen by the hypervisor, and where it went: the
+    worker, the producer, this host's PostgreSQL processes (every backend, the checkpointer, the WAL writer) and
+    Kafka broker, each in % of one core (None where no such process runs here, e.g. services from the environment).
+    A slow minute with the host busier and the worker not is the host's, not the worker's."""
 
-    def __init__(self, worker: psutil.Process) -> None:
-        self.worker = worker
-        self.host, self.own = psutil.cpu_times(), worker.cpu_times()
+    def __init__(self, worker: psutil.Process, producer: psutil.Process | None = None) -> None:
+        self.own = {"worker": worker, "producer": producer}
+        self.host, self.spent = psutil.cpu_times(), self._by_process()
 
-    def take(self) -> dict[str, float]:
-        host, own = psutil.cpu_times(), self.worker.cpu_times()
+    def _by_process(self) -> dict[tuple[int, float], tuple[str, float]]:
+        """CPU seconds so far of each process that counts, keyed by (pid, start time): a reused pid is new."""
+        named = {p.pid: name for name, p in self.own.items() if p is not None}
+        spent = {}
+        for proc in psutil.process_iter(["name", "cmdline", "cpu_times", "create_time"]):
+            info = proc.info
+            if info["cpu_times"] is None:  # gone, or not ours to read
+                continue
+            name = named.get(proc.pid) or ("postgres" if info["name"] in {"postgres", "postmaster"} else
+                                           "broker" if "kafka.Kafka" in (info["cmdline"] or ()) else None)
+            if name is not None:
+                spent[proc.pid, info["create_time"]] = (name, info["cpu_times"].user + info["cpu_times"].system)
+        return spent
+
+    def take(self) -> dict[str, float | None]:
+        host, spent = psutil.cpu_times(), self._by_process()
         # guest and guest_nice are already inside user and nice: counting them again would inflate the total.
-        spent = {f: getattr(host, f) - getattr(self.host, f) for f in host._fields if not f.startswith("guest")}
-        total = sum(spent.values()) or 1.0
-        idle = spent.get("idle", 0.0) + spent.get("iowait", 0.0)
-        worker = (own.user + own.system) - (self.own.user + self.own.system)
-        self.host, self.own = host, own
-        return {"host_busy_pct": 100 * (total - idle) / total, "steal_pct": 100 * spent.get("steal", 0.0) / total,
-                "worker_cpu_pct": 100 * worker / total * psutil.cpu_count()}
+        times = {f: getattr(host, f) - getattr(self.host, f) for f in host._fields if not f.startswith("guest")}
+        total = sum(times.values()) or 1.0
+        idle = times.get("idle", 0.0) + times.get("iowait", 0.0)
+        # A process started during the minute counts whole; one that ended during it is lost (short-lived
+        # connections: the bench's own, once a minute).
+        shares: dict[str, float | None] = dict.fromkeys(("worker", "producer", "postgres", "broker"))
+        for key, (name, seconds) in spent.items():
+            shares[name] = (shares[name] or 0.0) + seconds - self.spent.get(key, (name, 0.0))[1]
+        self.host, self.spent = host, spent
+        core = total / psutil.cpu_count()
+        return {"host_busy_pct": 100 * (total - idle) / total, "steal_pct": 100 * times.get("steal", 0.0) / total,
+                **{f"{name}_cpu_pct": None if s is None else 100 * s / core for name, s in shares.items()}}
 
 
 def host_writeback() -> dict[str, int | None]:
@@ -489,7 +515,7 @@ async def soak(kafka: str, admin_url: str, urls: tuple[Callable[[str], str], Cal
         ps = psutil.Process(worker.pid)
         before = scrape(port)
         disk.start()
-        cpu = CpuShares(ps)
+        cpu = CpuShares(ps, psutil.Process(producer.pid))
         started = time.monotonic()
         minute = 0
         while producer.poll() is None or minute < int(minutes):
@@ -586,7 +612,7 @@ async def wait_drained(place: Place) -> None:
 
 
 async def minute_row(minute: int, place: Place, ps: psutil.Process, scrapes: tuple[dict[str, Any], dict[str, Any]],
-                     host: tuple[dict[str, float] | None, dict[str, float]]) -> dict[str, Any]:
+                     host: tuple[dict[str, float] | None, dict[str, float | None]]) -> dict[str, Any]:
     before, now = scrapes
     disk, cpu = host
     e2e = delta(buckets(now, E2E), buckets(before, E2E))
@@ -621,8 +647,7 @@ async def minute_row(minute: int, place: Place, ps: psutil.Process, scrapes: tup
         f"{row['batches']:,.0f} batches, transaction p50 {row['batch_txn_p50_ms']:.0f} ms, p99 "
         f"{row['batch_txn_p99_ms']:.0f} ms; checkpoints so far {checkpoints}; RSS "
         f"{row['worker_rss_mib']:.1f} MiB; database {row['database_mib']:.0f} MiB; checks: {check_text}; "
-        f"{disk_text(disk)}; CPU: host {cpu['host_busy_pct']:.0f}% busy ({cpu['steal_pct']:.0f}% stolen), worker "
-        f"{cpu['worker_cpu_pct']:.0f}% of a core")
+        f"{disk_text(disk)}; CPU: {cpu_text(cpu)}")
     return row
 
 
@@ -663,6 +688,15 @@ def disk_text(disk: dict[str, float] | None) -> str:
             f"{disk['bursts']:.0f} bursts >= {DiskWrites.BURST_MIB:.0f} MiB")
 
 
+def cpu_text(cpu: dict[str, float | None]) -> str:
+    def share(name: str) -> str:
+        value = cpu.get(f"{name}_cpu_pct")
+        return "-" if value is None else f"{value:.0f}"
+    return (f"host {cpu['host_busy_pct']:.0f}% busy ({cpu['steal_pct']:.0f}% stolen); % of a core: worker "
+            f"{share('worker')}, PostgreSQL {share('postgres')}, broker {share('broker')}, "
+            f"producer {share('producer')}")
+
+
 def render_soak(result: dict[str, Any]) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in result["worker_env"].items()) or "default settings"
     lines = [(f"soak: {result['movements']:,} movements at {result['rate']:,}/s for {result['minutes']:g} min, one "
@@ -680,6 +714,7 @@ def render_soak(result: dict[str, Any]) -> str:
                      f"{row['cpu']['host_busy_pct']:>8.0f}/{row['cpu']['worker_cpu_pct']:<8.0f}  "
                      f"{x.get('to_worker', {}).get('p99_ms', float('nan')):>8.0f}/"
                      f"{x.get('in_worker', {}).get('p99_ms', float('nan')):<7.0f}  {checks}")
+    lines += [f"minute {row['minute']:>2} CPU: {cpu_text(row['cpu'])}" for row in result["per_minute"]]
     v = result["verify"]
     lines.append(f"verify at the end: {v['seconds']:.1f} s, peak RSS {v['peak_rss_mib']:.0f} MiB, exit "
                  f"{v['exit_code']}, {v['last_line']}")

@@ -52,6 +52,7 @@ def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measu
     assert set(first) >= {"minute", "p50_ms", "p95_ms", "p99_ms", "under_50ms", "worker_rss_mib", "database_mib",
                           "invariant_checks", "exact", "disk", "cpu"}
     assert first["cpu"]["worker_cpu_pct"] > 0  # a minute of 300 movements/s costs the worker some CPU
+    assert (first["cpu"]["producer_cpu_pct"] or 0) > 0  # and the producer, counted apart from the worker
     if any(Path("/sys/block").glob("*/device")):  # Linux with a real disk: the minute's WAL alone is written there
         assert first["disk"]["written_mib"] > 0
     assert set(results["meta"]["host_writeback"]) >= {"dirty_expire_centisecs", "dirty_writeback_centisecs"}

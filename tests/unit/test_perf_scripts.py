@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -137,23 +138,42 @@ async def test_disk_writes_samples_the_host_disks_written_sectors(tmp_path: Path
     assert taken["written_mib"] >= 4
 
 
-def test_cpu_shares_counts_the_workers_own_cpu_against_the_hosts() -> None:
-    """A process that spins for 1 s shows up as busy: a share of a core above 0, the host at least as busy, to the
-    resolution of the kernel's counters (clock ticks: each of the two can be one tick off at each end)."""
+def test_cpu_shares_counts_the_workers_and_the_producers_cpu_against_the_hosts() -> None:
+    """Two processes that spin for 1 s, one as the worker and one as the producer, show up as busy: each a share of a
+    core above 0, all the shares together within the host's busy time, to the resolution of the kernel's counters
+    (clock ticks: each value can be one tick off at each end). PostgreSQL and the broker: None where none runs here,
+    else a share like the others."""
     import psutil  # noqa: PLC0415 - the bench's dependency, not the project's
 
+    # The producer waits for a byte, spins, says so, and stays alive until its stdin closes: a process that has
+    # ended cannot be read.
+    producer_code = ("import sys, time\nsys.stdin.read(1)\nend = time.process_time() + 1.0\n"
+                     "while time.process_time() < end: pass\nprint('spun', flush=True)\nsys.stdin.read()")
     started = time.monotonic()
-    shares = bench_scale.CpuShares(psutil.Process())
-    end = time.process_time() + 1.0
-    while time.process_time() < end:
-        pass
-    taken = shares.take()
+    with subprocess.Popen([sys.executable, "-c", producer_code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE) as producer:
+        assert producer.stdin is not None
+        assert producer.stdout is not None
+        shares = bench_scale.CpuShares(psutil.Process(), psutil.Process(producer.pid))
+        producer.stdin.write(b"x")
+        producer.stdin.flush()  # the producer spins now, beside us
+        end = time.process_time() + 1.0
+        while time.process_time() < end:
+            pass
+        assert producer.stdout.readline() == b"spun\n"
+        taken = shares.take()
+        producer.stdin.close()
     host_seconds = (time.monotonic() - started) * psutil.cpu_count()
     ticks_pct = 100 * 2 / os.sysconf("SC_CLK_TCK") / host_seconds
+    assert taken["worker_cpu_pct"] is not None
     assert taken["worker_cpu_pct"] > 0
+    assert taken["producer_cpu_pct"] is not None
+    assert taken["producer_cpu_pct"] > 0
     assert 0 < taken["host_busy_pct"] <= 100
+    named = [taken[f"{n}_cpu_pct"] for n in ("worker", "producer", "postgres", "broker")]
+    assert all(v is None or v >= 0 for v in named)
     # The same CPU time, counted once.
-    assert taken["host_busy_pct"] >= taken["worker_cpu_pct"] / psutil.cpu_count() - ticks_pct
+    assert taken["host_busy_pct"] >= sum(v or 0.0 for v in named) / psutil.cpu_count() - 4 * ticks_pct
 
 
 def _filesystem(path: Path) -> str:
