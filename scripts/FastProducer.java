@@ -9,6 +9,7 @@
 import java.nio.charset.StandardCharsets;
 import java.util.Properties;
 import java.util.Random;
+import java.util.SplittableRandom;
 import java.util.UUID;
 import org.apache.kafka.clients.producer.KafkaProducer;
 import org.apache.kafka.clients.producer.ProducerRecord;
@@ -40,6 +41,17 @@ public class FastProducer {
             } else {
                 double rate = paced ? Double.parseDouble(a[4]) : 0;
                 Random rng = new Random(1);
+                // Ids from a generator seeded per run, values from a StringBuilder: with SecureRandom
+                // (UUID.randomUUID) and String.format an unpaced run cost about three times the CPU per record, on
+                // the host the producer shares with the worker (docs/bench/pinned-2026-12-02/producer-cpu.txt).
+                SplittableRandom ids = new SplittableRandom(System.nanoTime());
+                String[] skus = new String[1000];
+                byte[][] keys = new byte[skus.length][];
+                for (int s = 0; s < skus.length; s++) {
+                    skus[s] = String.format("SKU-%06d", s);
+                    keys[s] = skus[s].getBytes(StandardCharsets.UTF_8);
+                }
+                StringBuilder value = new StringBuilder(192);
                 long start = System.nanoTime();
                 for (long i = 0; i < n; i++) {
                     if (paced) {
@@ -47,15 +59,20 @@ public class FastProducer {
                         long wait = due - System.nanoTime();
                         if (wait > 1_000_000) Thread.sleep(wait / 1_000_000);
                     }
-                    String sku = String.format("SKU-%06d", rng.nextInt(1000));
+                    int sku = rng.nextInt(1000);
                     boolean in = rng.nextInt(10) < 6;
                     int qty = (in ? 1 : -1) * (1 + rng.nextInt(100));
-                    String value = String.format(
-                        "{\"movement_id\":\"%s\",\"warehouse_id\":\"WH-%03d\",\"sku\":\"%s\",\"qty\":%d,"
-                        + "\"kind\":\"%s\",\"occurred_at\":\"2026-11-30T10:00:00+00:00\"}",
-                        UUID.randomUUID(), rng.nextInt(4), sku, qty, in ? "receipt" : "pick");
-                    prod.send(new ProducerRecord<>(topic, sku.getBytes(StandardCharsets.UTF_8),
-                                                   value.getBytes(StandardCharsets.UTF_8)));
+                    int warehouse = rng.nextInt(4);
+                    // A version-4 UUID: 122 random bits, the version and variant bits set.
+                    UUID id = new UUID((ids.nextLong() & ~0xF000L) | 0x4000L,
+                                       (ids.nextLong() & 0x3FFFFFFFFFFFFFFFL) | 0x8000000000000000L);
+                    value.setLength(0);
+                    value.append("{\"movement_id\":\"").append(id).append("\",\"warehouse_id\":\"WH-00")
+                         .append(warehouse).append("\",\"sku\":\"").append(skus[sku])
+                         .append("\",\"qty\":").append(qty).append(",\"kind\":\"").append(in ? "receipt" : "pick")
+                         .append("\",\"occurred_at\":\"2026-11-30T10:00:00+00:00\"}");
+                    byte[] bytes = value.toString().getBytes(StandardCharsets.UTF_8);
+                    prod.send(new ProducerRecord<>(topic, keys[sku], bytes));
                 }
             }
             prod.flush();
