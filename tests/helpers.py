@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -28,6 +29,11 @@ from scripts.localservices import (
     url_for,
     worker_env,
 )
+
+
+# A claim made by a test stores offset 0 where nothing is stored yet, as the worker's claim stores the reset
+# policy's position (STOCK_LEDGER_AUTO_OFFSET_RESET=earliest on a log that starts at 0).
+FROM_ZERO: Final = {p: 0 for p in range(64)}
 
 
 @dataclass(frozen=True)

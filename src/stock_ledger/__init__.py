@@ -7,13 +7,13 @@ from stock_ledger.errors import (
     CoordinateConflictError,
     FencedError,
     LedgerIntegrityError,
-    OffsetRegressionError,
+    OffsetMismatchError,
     RetryDeadlineExceeded,
     StockLedgerError,
 )
 
 __all__ = [
     "ConfigError", "CoordinateConflictError", "FencedError", "LedgerIntegrityError", "Movement",
-    "OffsetRegressionError", "RejectCode", "Rejection", "RetryDeadlineExceeded", "Settings", "StockLedgerError",
+    "OffsetMismatchError", "RejectCode", "Rejection", "RetryDeadlineExceeded", "Settings", "StockLedgerError",
     "load_settings", "parse",
 ]

@@ -143,7 +143,7 @@ class Assignment:
         (fenced, revoked or reclaimed since it was built: no longer held, or under another epoch), and of those the
         ones still held, with the offset to seek them back to (their records were consumed into the dropped part).
         The offsets are not compared here: a slice starting before the stored offset is a replay, which the
-        database's guard refuses loudly (OffsetRegressionError), never something to drop quietly."""
+        database's exact guard refuses (OffsetMismatchError: claimed again), never something to drop quietly."""
         drop: set[int] = set()
         reseek: dict[int, int] = {}
         for x in slices:
@@ -161,6 +161,16 @@ class Assignment:
     @property
     def epochs(self) -> dict[int, int]:
         return {p: h.epoch for p, h in self._held.items()}
+
+    @property
+    def committed_positions(self) -> dict[int, tuple[int, int]]:
+        """partition -> (epoch, the next offset the ledger holds as far as this worker knows: its last commit)."""
+        return {p: (h.epoch, h.expected) for p, h in self._held.items()}
+
+    @property
+    def positions(self) -> dict[int, int]:
+        """partition -> the stored next offset the next built batch continues (the batch guard's expected value)."""
+        return {p: h.position for p, h in self._held.items()}
 
     def expected(self, partition: int) -> int | None:
         held = self._held.get(partition)

@@ -70,6 +70,9 @@ class PartitionSlice:
     epoch: int
     first_offset: int
     next_offset: int
+    # The next offset the worker believes the ledger holds, which this slice continues: the batch guard moves the
+    # stored offset only from exactly here. The first record may lie past it (transaction markers, aborted records).
+    expected: int
     # Each record's Kafka timestamp, for the latency metric; not part of what identifies the slice.
     timestamps_ms: list[int] = field(default_factory=list, compare=False)
 
@@ -146,9 +149,11 @@ def _ts(ms: int) -> Micros | None:
     return ((ms - PG_EPOCH_MS) * 1000,)
 
 
-def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int]) -> Batch:
-    """Parse records into COPY-ready rows. Pure. `records` holds each partition's records in offset order."""
-    builder = BatchBuilder(topic, epochs)
+def build_batch(topic: str, records: Mapping[int, Sequence[Record]], epochs: Mapping[int, int],
+                expected: Mapping[int, int] | None = None) -> Batch:
+    """Parse records into COPY-ready rows. Pure. `records` holds each partition's records in offset order;
+    `expected`, each partition's stored next offset that they continue (default: their first record's offset)."""
+    builder = BatchBuilder(topic, epochs, expected)
     for partition in sorted(records):
         builder.add(partition, records[partition])
     return builder.batch()
@@ -159,9 +164,10 @@ class BatchBuilder:
     partitions one after the other), then take the `batch`. The worker lets its event loop run between chunks, so
     the transaction in flight keeps going while the next batch is built. Same rows as one `build_batch` call."""
 
-    def __init__(self, topic: str, epochs: Mapping[int, int]) -> None:
+    def __init__(self, topic: str, epochs: Mapping[int, int], expected: Mapping[int, int] | None = None) -> None:
         self.topic = topic
         self.epochs = epochs
+        self.expected = expected or {}
         self.movements: list[tuple[Any, ...]] = []
         self.rejects: list[tuple[Any, ...]] = []
         self.slices: list[PartitionSlice] = []
@@ -178,12 +184,16 @@ class BatchBuilder:
                 raise ValueError(f"partition {partition}: chunk starts at {recs[0].offset}, before {last.next_offset}")
             last.timestamps_ms.extend(r.timestamp for r in recs)  # our own list, not shared
             self.slices[-1] = PartitionSlice(partition, last.epoch, last.first_offset, recs[-1].offset + 1,
-                                             last.timestamps_ms)
+                                             last.expected, last.timestamps_ms)
         else:
             if any(x.partition == partition for x in self.slices):
                 raise ValueError(f"partition {partition} added again after another partition")
+            expected = self.expected.get(partition, recs[0].offset)
+            if recs[0].offset < expected:
+                raise ValueError(f"partition {partition}: records start at {recs[0].offset}, before the ledger's "
+                                 f"next offset {expected}")
             self.slices.append(PartitionSlice(partition, self.epochs[partition], recs[0].offset,
-                                              recs[-1].offset + 1, [r.timestamp for r in recs]))
+                                              recs[-1].offset + 1, expected, [r.timestamp for r in recs]))
         topic, movements, rejects, raw, seen_ids = self.topic, self.movements, self.rejects, self.raw, self.seen_ids
         for r in recs:
             kafka_ts = _ts(r.timestamp)

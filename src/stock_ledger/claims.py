@@ -24,12 +24,13 @@ from aiokafka import TopicPartition
 from aiokafka.errors import IllegalStateError
 
 from stock_ledger.clients import session_name
-from stock_ledger.errors import StockLedgerError
+from stock_ledger.errors import Mismatch, OffsetMismatchError, StockLedgerError
 from stock_ledger.gaps import Gap, find_gap
-from stock_ledger.sink import Unblock
+from stock_ledger.servers import Server, writable_server
+from stock_ledger.sink import CURRENT, Unblock
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
 
     import asyncpg
     from aiokafka import AIOKafkaConsumer
@@ -61,6 +62,7 @@ class Claimer:
         self._unblock = Unblock(settings.lock_timeout_ms / 2000, connect, session_name(settings.group_id))
         self._refused_since: float | None = None
         self._last_recheck = time.monotonic()
+        self._server: Server | None = None
 
     def generation(self) -> tuple[int | None, str | None]:
         # aiokafka exposes neither publicly (NOTES.md); the generation guards the claim, the member id is shown.
@@ -76,9 +78,10 @@ class Claimer:
         if not ticket.partitions:
             return
         generation, member_id = self.generation()
+        reset = await self._reset_positions(ticket.partitions)
         self._ledger.faults.reached("before_claim")
         claims = await self._ledger.claim(conn, self._s.topic, ticket.partitions, generation, member_id,
-                                          force=self._force_due(), unblock=self._unblock)
+                                          force=self._force_due(), unblock=self._unblock, reset=reset)
         if self._note_refused(ticket.partitions, claims, generation):
             # Stale: the rebalance that tells us so arrives with a heartbeat; claiming in a tight loop meanwhile
             # would only load the database.
@@ -99,7 +102,8 @@ class Claimer:
         heartbeats. Refused for longer, with no rebalance, the group itself restarted its generations (it was
         deleted, or expired while empty): the stored generations are from a previous life of the group."""
         limit = 3 * self._s.session_timeout_ms / 1000
-        return self._refused_since is not None and time.monotonic() - self._refused_since > limit
+        known = self.generation()[0] is not None  # an unknown generation never forces (the SQL refuses it too)
+        return known and self._refused_since is not None and time.monotonic() - self._refused_since > limit
 
     def _note_refused(self, wanted: Sequence[int], claims: list[Claim], generation: int | None) -> bool:
         refused = sorted(set(wanted) - {c.partition for c in claims})
@@ -123,8 +127,12 @@ class Claimer:
         for c, tp in zip(claims, tps, strict=True):
             low, high = int(lows[tp]), int(highs[tp])
             if c.next_offset is None:
-                starts[c.partition] = (c.epoch, self._reset_position(c.partition, low, high))
-                continue
+                raise StockLedgerError(
+                    f"no stored offset for partition {c.partition} and STOCK_LEDGER_AUTO_OFFSET_RESET=none: set it "
+                    "to earliest to apply the whole history")
+            if c.reset:
+                log.info("claim.reset_policy", policy=self._s.auto_offset_reset, partition=c.partition,
+                         offset=c.next_offset, detail="nothing was stored: this start is stored with the claim")
             gap = find_gap(c.partition, c.next_offset, low, high)
             if gap is None:
                 starts[c.partition] = (c.epoch, c.next_offset)
@@ -141,15 +149,59 @@ class Claimer:
                 halted[c.partition] = gap
         return starts, halted
 
-    def _reset_position(self, partition: int, low: int, high: int) -> int:
+    async def _reset_positions(self, partitions: Sequence[int]) -> dict[int, int]:
+        """Where the reset policy would start each partition, for the claim to store where nothing is stored yet
+        (read before the claim; the holes are judged on log bounds read after it, see `_positions`)."""
         policy = self._s.auto_offset_reset
         if policy == "none":
-            raise StockLedgerError(
-                f"no stored offset for partition {partition} and STOCK_LEDGER_AUTO_OFFSET_RESET=none: set it to "
-                "earliest to apply the whole history"
-            )
-        log.info("claim.reset_policy", policy=policy, partition=partition, offset=low if policy == "earliest" else high)
-        return low if policy == "earliest" else high
+            return {}
+        tps = [self._tp(p) for p in partitions]
+        bounds = await (self._consumer.beginning_offsets(tps) if policy == "earliest"
+                        else self._consumer.end_offsets(tps))
+        return {tp.partition: int(bounds[tp]) for tp in tps}
+
+    async def check_session(self, conn: asyncpg.Connection) -> None:
+        """Run on every new session before it writes: refuse a server that cannot take writes, log a change of
+        server, and claim again each held partition whose stored offset is behind what this worker committed (the
+        database went back in time: a failover to a standby that lost commits, a restore), so the lost range is
+        re-applied from Kafka now, not when the partition's next record arrives. Offsets ahead of ours are left to
+        the batch guard: an earlier attempt of the batch in flight may have committed with its reply lost."""
+        server = await writable_server(conn)
+        if self._server is not None and server != self._server:
+            log.warning("db.server_changed", before=self._server.describe(), after=server.describe(),
+                        detail="a reconnect reached another server (a failover?): checking the stored offsets")
+        self._server = server
+        held = self._assignment.committed_positions
+        if not held:
+            return
+        current = {r["partition"]: (r["epoch"], r["next_offset"])
+                   for r in await conn.fetch(CURRENT, self._s.group_id, self._s.topic, list(held))}
+        lost: dict[int, Mismatch] = {}
+        for p, (epoch, expected) in held.items():
+            stored_epoch, stored = current.get(p, (None, None))
+            if stored_epoch is not None and stored_epoch > epoch:
+                continue  # a newer claim: the batch guard fences us
+            if stored_epoch is None or stored_epoch < epoch or stored is None or stored < expected:
+                lost[p] = Mismatch(expected, stored_epoch, stored)
+        if lost:
+            self.mismatched(OffsetMismatchError(lost), {p: held[p][0] for p in lost}, found_by="session_check")
+
+    def mismatched(self, exc: OffsetMismatchError, epochs: Mapping[int, int], found_by: str = "batch_guard") -> None:
+        """The stored offsets are not where this worker left them (see errors.Mismatch). Nothing was written past
+        them; each partition is claimed again (a new epoch, seek to the stored offset), so whatever the database
+        lost is re-applied from Kafka, or, if Kafka no longer has it, halts or is recorded as a hole like any other.
+        `epochs`: the epoch each partition was written under; one no longer held so was reported already."""
+        fresh = {p: m for p, m in exc.partitions.items() if self._assignment.epochs.get(p) == epochs.get(p)}
+        if not fresh:
+            return
+        for m in fresh.values():
+            self._metrics.offset_mismatches.labels(m.direction).inc()
+        log.error("batch.offset_mismatch", found_by=found_by,
+                  partitions={p: {"expected": m.expected, "stored": m.stored, "stored_epoch": m.epoch,
+                                  "direction": m.direction} for p, m in sorted(fresh.items())},
+                  detail="; ".join(f"partition {p}: {m.describe()}" for p, m in sorted(fresh.items())),
+                  action="claiming again at the stored offsets; see the runbook, StockLedgerOffsetMismatch")
+        self.reexamine(list(fresh), reason="stored offset moved under this worker")
 
     def reexamine(self, partitions: Sequence[int], reason: str) -> None:
         """Claim these again (their position must be resolved afresh); paused until then."""

@@ -4,8 +4,9 @@
     ├── ConfigError                  bad configuration: exit code 2, one line naming the variable
     ├── ConnectionSecurityError      wrong credentials or an unverifiable certificate: fatal at once, one line
     ├── FencedError                  another worker claimed the partition since we did: stop writing it
+    ├── OffsetMismatchError          the stored offset is not where this worker expects it (the database went back
+    │                                in time, or someone moved it): claim again and re-apply from Kafka
     ├── LedgerIntegrityError         the ledger refused a write that would break it: fatal, loud
-    │   ├── OffsetRegressionError    a batch starts before the stored offset under our own epoch (a replay)
     │   └── CoordinateConflictError  the unique constraint on Kafka coordinates fired (the backstop)
     └── RetryDeadlineExceeded        a transient fault lasted longer than STOCK_LEDGER_RETRY_DEADLINE_SECONDS
 
@@ -14,6 +15,8 @@ None of these is retried. Transient database and broker faults are the libraries
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class StockLedgerError(Exception):
@@ -40,8 +43,31 @@ class LedgerIntegrityError(StockLedgerError):
     pass
 
 
-class OffsetRegressionError(LedgerIntegrityError):
-    pass
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    expected: int       # the next offset this worker believes the ledger holds
+    epoch: int | None   # the epoch stored now (None: no row, the database went back to before the claim)
+    stored: int | None  # the next offset stored now (None: nothing stored)
+
+    @property
+    def direction(self) -> str:
+        """`behind`: the database lost what was committed (a failover to a standby that lost commits, a restore);
+        `ahead`: someone else moved the offset (an operator, a worker that should not have)."""
+        return "ahead" if self.stored is not None and self.stored > self.expected else "behind"
+
+    def describe(self) -> str:
+        if self.direction == "ahead":
+            return f"stored next_offset {self.stored} is ahead of the expected {self.expected}: moved by someone else"
+        lost = f"{'' if self.stored is None else self.stored}..{self.expected - 1}"
+        return (f"stored next_offset {self.stored} is behind the expected {self.expected}: the database lost the "
+                f"commits of records {lost} (a failover or a restore); re-applied from Kafka")
+
+
+class OffsetMismatchError(StockLedgerError):
+    def __init__(self, partitions: dict[int, Mismatch]) -> None:
+        self.partitions = partitions
+        detail = "; ".join(f"partition {p}: {m.describe()}" for p, m in sorted(partitions.items()))
+        super().__init__(f"stored offsets moved under this worker ({detail}); batch rolled back")
 
 
 class CoordinateConflictError(LedgerIntegrityError):

@@ -5,7 +5,8 @@ leader), chosen by `pg_try_advisory_lock` on a session held for the purpose: the
 that session. A leader that dies or loses its session frees the lease at once and another pod takes it on its next
 tick. The leader touches the session on every tick, and the session carries `idle_session_timeout`: a leader that
 is frozen (SIGSTOP, a long pause) stops touching it, so the server ends the session and another pod takes over
-within that timeout, instead of the lag metrics going silent with the frozen pod.
+within that timeout, instead of the lag metrics going silent with the frozen pod. The lease is taken on the
+primary only: after a failover the session dies with the old primary and the lease is taken again on the new one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import hashlib
 from typing import TYPE_CHECKING
 
 import structlog
+
+from stock_ledger.servers import writable_server
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -51,8 +54,15 @@ class Lease:
             if self.held:
                 log.warning("monitor.lease_lost", detail="the session holding the lease closed")
             self.held = False
-            self._conn = await self._connect()
-            await self._conn.execute(f"SET idle_session_timeout = {self._idle_timeout_ms}")
+            conn = await self._connect()
+            try:
+                # Advisory locks work on a standby too: a lease taken there would make a second leader.
+                await writable_server(conn)
+                await conn.execute(f"SET idle_session_timeout = {self._idle_timeout_ms}")
+            except BaseException:
+                conn.terminate()
+                raise
+            self._conn = conn
         if self.held:
             await self._conn.execute("SELECT 1")  # the heartbeat a frozen leader stops sending
         else:

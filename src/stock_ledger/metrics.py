@@ -137,6 +137,13 @@ class Metrics:
         self.batches = Counter(_P + "batches_committed", "Batch transactions committed.", registry=registry)
         self.fenced = Counter(_P + "batches_fenced", "Batches rolled back because another claim owns a partition.",
                               registry=registry)
+        self.offset_mismatches = Counter(
+            _P + "offset_mismatches",
+            "Partitions whose stored offset was not where this worker left it, claimed again and re-applied from "
+            "Kafka: behind (the database went back in time: a failover that lost commits, a restore) or ahead "
+            "(moved by someone else).", ["direction"], registry=registry)
+        for direction in ("behind", "ahead"):
+            self.offset_mismatches.labels(direction)
         self.rebalances = Counter(_P + "rebalances", "Partition assignments received from the group.",
                                   registry=registry)
         self.claims = Counter(_P + "partition_claims", "Partitions claimed in PostgreSQL.", registry=registry)

@@ -29,6 +29,7 @@ _PG_TRANSIENT: Final = (
     asyncpg.TransactionRollbackError,  # deadlock, serialization failure
     asyncpg.LockNotAvailableError,     # lock_timeout: a (possibly frozen) peer holds the row
     asyncpg.IdleInTransactionSessionTimeoutError,  # we were frozen mid-transaction and the server gave up on us
+    asyncpg.ReadOnlySQLTransactionError,  # 25006: a standby or a read-only server; a new session finds the primary
     asyncpg.UniqueViolationError,      # movement_id raced in from another partition: the retry quarantines it
 )
 

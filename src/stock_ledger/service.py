@@ -33,7 +33,7 @@ from stock_ledger.clients import (
     make_consumer,
     quiet_lost_session_replies,
 )
-from stock_ledger.errors import FencedError
+from stock_ledger.errors import FencedError, OffsetMismatchError
 from stock_ledger.faults import Faults
 from stock_ledger.health import HttpServer
 from stock_ledger.metrics import Metrics
@@ -115,8 +115,7 @@ class Worker:
         monitor = PositionMonitor(s, self.metrics, functools.partial(connect_worker, s))
         advisor: asyncio.Task[None] | None = None
         try:
-            self._conn = await self._retry("connect to PostgreSQL", functools.partial(connect_worker, s),
-                                           "startup.retry")
+            self._conn = await self._retry("connect to PostgreSQL", self._connect, "startup.retry")
             await check_schema(self._conn)
             self._db_ok = True
             # One plain connection first: aiokafka reports a bad password or certificate only as "Unable to
@@ -291,7 +290,7 @@ class Worker:
         # batch in flight waited for its next statement to be sent, so the worker and PostgreSQL took turns (their
         # CPU summed to one core). Chunked, the transaction moves on between chunks. A rebalance or fence meanwhile
         # is what `_write` checks anyway (`Assignment.stale`), under the batch lock, with the epochs taken here.
-        builder = BatchBuilder(self.settings.topic, self.assignment.epochs)
+        builder = BatchBuilder(self.settings.topic, self.assignment.epochs, self.assignment.positions)
         for p in sorted(accepted.records):
             records = accepted.records[p]
             for i in range(0, len(records), _BUILD_CHUNK):
@@ -317,6 +316,10 @@ class Worker:
                                                          functools.partial(self._apply_once, current), "batch.retry")
                 except FencedError as exc:
                     await self.claimer.fenced(exc, self._conn)
+                    current = current.without(set(exc.partitions))
+                    continue
+                except OffsetMismatchError as exc:
+                    self.claimer.mismatched(exc, {x.partition: x.epoch for x in current.slices})
                     current = current.without(set(exc.partitions))
                     continue
                 except Abandoned as exc:
@@ -355,9 +358,19 @@ class Worker:
             log.info("db.reconnect", reason="the server closed our session while it was idle")
             self._conn = None
         if self._conn is None:
-            self._conn = await connect_worker(self.settings)
+            self._conn = await self._connect()
         self._db_ok = True
         return self._conn
+
+    async def _connect(self) -> asyncpg.Connection:
+        """A new session, checked before it writes (claims.Claimer.check_session)."""
+        conn = await connect_worker(self.settings)
+        try:
+            await self.claimer.check_session(conn)
+        except BaseException:
+            conn.terminate()
+            raise
+        return conn
 
     def _on_fault(self, cause: str, _exc: Exception) -> None:
         self.metrics.retries.labels(cause).inc()

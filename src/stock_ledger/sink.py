@@ -51,10 +51,16 @@ from stock_ledger.batch import (
     quarantined,
 )
 from stock_ledger.domain import RejectCode, pg_text
-from stock_ledger.errors import CoordinateConflictError, FencedError, LedgerIntegrityError, OffsetRegressionError
+from stock_ledger.errors import (
+    CoordinateConflictError,
+    FencedError,
+    LedgerIntegrityError,
+    Mismatch,
+    OffsetMismatchError,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
     from stock_ledger.faults import Faults
     from stock_ledger.gaps import Gap
@@ -104,7 +110,8 @@ class Unblock:
 class Claim:
     partition: int
     epoch: int
-    next_offset: int | None  # None: nothing stored yet, the reset policy decides
+    next_offset: int | None  # None: nothing stored, and no reset position given (STOCK_LEDGER_AUTO_OFFSET_RESET=none)
+    reset: bool = False  # next_offset is the reset policy's position, stored by this claim
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,21 +125,34 @@ class Outcome:
 
 # The claim takes a partition only from a claim of the same or an older Kafka generation: a claim that started
 # before a rebalance and reaches the database after it (it waited on a lock, a connect, a frozen process) takes
-# nothing, so it can never fence the rightful newer owner. $6 forces it (a group whose generation restarted).
+# nothing, so it can never fence the rightful newer owner. An unknown generation (NULL: aiokafka resets it to -1 on
+# UnknownMemberId / IllegalGeneration until the member rejoins) takes only what no known generation holds. $6 forces
+# it (a group whose generation restarted), and only with a known generation.
 _CLAIM: Final = """
 INSERT INTO consumer_offsets AS o (group_id, topic, partition, epoch, generation, member_id, claimed_at)
 SELECT $1, $2, p, 1, $4, $5, now() FROM unnest($3::int[]) AS p ORDER BY p
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET epoch = o.epoch + 1, generation = EXCLUDED.generation, member_id = EXCLUDED.member_id, claimed_at = now()
-    WHERE $6 OR o.generation IS NULL OR EXCLUDED.generation IS NULL OR o.generation <= EXCLUDED.generation
+    WHERE ($6 AND EXCLUDED.generation IS NOT NULL) OR o.generation IS NULL OR o.generation <= EXCLUDED.generation
 RETURNING partition, epoch, next_offset
+"""
+# Where nothing was stored yet, the reset policy's position is stored by the claim itself: the ledger then always
+# knows where it started, so a later hole below it (retention outran a worker that never committed) is found.
+_RECORD_START: Final = """
+UPDATE consumer_offsets AS o SET next_offset = r.start, updated_at = now()
+  FROM unnest($3::int[], $4::bigint[]) AS r(partition, start)
+ WHERE o.group_id = $1 AND o.topic = $2 AND o.partition = r.partition AND o.next_offset IS NULL
+RETURNING o.partition
 """
 
 _OTHER_GROUP: Final = "SELECT group_id FROM consumer_offsets WHERE group_id <> $1 LIMIT 1"
 
-# Compare-and-set: the row moves only if we still hold its epoch and the batch starts at or after the stored
-# offset (offsets may have holes: transaction markers, aborted records). Rows are locked first, in partition
-# order, as claims lock them, so a batch and a claim can never deadlock.
+# The exact guard: the row moves only if we still hold its epoch and it stands exactly where this worker believes
+# the ledger stands (`expected`). The batch's first record may lie past that (transaction markers, aborted records),
+# so the stored value is compared with `expected`, never with the first record: a stored offset behind it means
+# the database went back in time (a failover to a standby that lost commits, a restore), one ahead of it that
+# someone else moved it; either way the batch is never written past it. Rows are locked first, in partition order,
+# as claims lock them, so a batch and a claim can never deadlock.
 _ADVANCE: Final = """
 WITH locked AS (
     SELECT partition FROM consumer_offsets
@@ -141,11 +161,11 @@ WITH locked AS (
 )
 UPDATE consumer_offsets AS o
    SET next_offset = b.next_offset, updated_at = now()
-  FROM unnest($3::int[], $4::bigint[], $5::bigint[], $6::bigint[]) AS b(partition, epoch, first_offset, next_offset)
+  FROM unnest($3::int[], $4::bigint[], $5::bigint[], $6::bigint[]) AS b(partition, epoch, expected, next_offset)
   JOIN locked USING (partition)
  WHERE o.group_id = $1 AND o.topic = $2 AND o.partition = b.partition
    AND o.epoch = b.epoch
-   AND (o.next_offset IS NULL OR o.next_offset <= b.first_offset)
+   AND o.next_offset = b.expected
 RETURNING o.partition
 """
 
@@ -177,7 +197,7 @@ async def stored_offsets(db: asyncpg.Connection | asyncpg.Pool, group_id: str, t
     return {r[0]: r[1] for r in await db.fetch(_STORED, group_id, topic)}
 
 
-_CURRENT: Final = """
+CURRENT: Final = """
 SELECT partition, epoch, next_offset FROM consumer_offsets
  WHERE group_id = $1 AND topic = $2 AND partition = ANY($3::int[])
 """
@@ -228,13 +248,16 @@ class Ledger:
     async def claim(  # noqa: PLR0913 - the claim's whole input, as stored beside it
         self, conn: asyncpg.Connection, topic: str, partitions: Iterable[int], generation: int | None,
         member_id: str | None, *, force: bool = False, unblock: Unblock | None = None,
+        reset: Mapping[int, int] | None = None,
     ) -> list[Claim]:
-        """Bump each partition's epoch and return the offset to seek to, in one statement.
+        """Bump each partition's epoch and return the offset to seek to, in one transaction.
 
-        Partitions whose stored generation is newer than ours are not taken (not returned): this claim is stale.
-        If a zombie's batch transaction holds a row, this waits for it; after `unblock.after` seconds the zombie's
-        session is terminated (same service, same group: the claim is the owner's), then this reads the offset
-        the zombie committed, never a stale one. Refuses a database that holds another group's ledger.
+        Partitions whose stored generation is newer than ours (or known, where ours is not) are not taken (not
+        returned): this claim is stale. If a zombie's batch transaction holds a row, this waits for it; after
+        `unblock.after` seconds the zombie's session is terminated (same service, same group: the claim is the
+        owner's), then this reads the offset the zombie committed, never a stale one. A partition with nothing
+        stored gets `reset[partition]` stored, in the same transaction. Refuses a database that holds another
+        group's ledger.
         """
         async with conn.transaction():
             other = await conn.fetchval(_OTHER_GROUP, self.group_id)
@@ -246,7 +269,14 @@ class Ledger:
                 )
             pending = conn.fetch(_CLAIM, self.group_id, topic, sorted(partitions), generation, member_id, force)
             rows = await (pending if unblock is None else unblock.run(conn, pending))
-        return sorted((Claim(r["partition"], r["epoch"], r["next_offset"]) for r in rows), key=lambda c: c.partition)
+            claims = [Claim(r["partition"], r["epoch"], r["next_offset"]) for r in rows]
+            starts = {c.partition: reset[c.partition] for c in claims
+                      if c.next_offset is None and reset is not None and c.partition in reset}
+            if starts:
+                await conn.fetch(_RECORD_START, self.group_id, topic, list(starts), list(starts.values()))
+                claims = [Claim(c.partition, c.epoch, starts[c.partition], reset=True) if c.partition in starts
+                          else c for c in claims]
+        return sorted(claims, key=lambda c: c.partition)
 
     async def skip_gap(self, conn: asyncpg.Connection, topic: str, gap: Gap, epoch: int) -> int | None:
         """Move the partition's offset past a hole and record the hole, in one transaction; the id of the
@@ -260,7 +290,7 @@ class Ledger:
                                            gap.last_offset, gap.reason))
 
     async def apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
-        """THE batch transaction. Raises FencedError, OffsetRegressionError or CoordinateConflictError."""
+        """THE batch transaction. Raises FencedError, OffsetMismatchError or CoordinateConflictError."""
         if conn not in self._wire_sessions:
             await pgtime.install(conn)
             self._wire_sessions.add(conn)
@@ -326,7 +356,7 @@ class Ledger:
         s = batch.slices
         moved = await conn.fetch(
             _ADVANCE, self.group_id, batch.topic, [x.partition for x in s], [x.epoch for x in s],
-            [x.first_offset for x in s], [x.next_offset for x in s],
+            [x.expected for x in s], [x.next_offset for x in s],
         )
         if len(moved) == len(s):
             return
@@ -334,21 +364,20 @@ class Ledger:
         failed = [x for x in s if x.partition not in moved_set]
         current = {
             r["partition"]: (r["epoch"], r["next_offset"])
-            for r in await conn.fetch(_CURRENT, self.group_id, batch.topic, [x.partition for x in failed])
+            for r in await conn.fetch(CURRENT, self.group_id, batch.topic, [x.partition for x in failed])
         }
-        fenced = {x.partition: (x.epoch, current.get(x.partition, (None, None))[0]) for x in failed
-                  if current.get(x.partition, (None, None))[0] != x.epoch}
+        # Epochs only grow: a newer one is another worker's claim. An older one, or no row at all, is the database
+        # gone back to before our claim (a restore, a failover): nobody fenced us, the ledger lost what we wrote.
+        fenced = {x.partition: (x.epoch, current[x.partition][0]) for x in failed
+                  if x.partition in current and current[x.partition][0] > x.epoch}
         if fenced:
             raise FencedError(fenced)
-        # Same epoch, offset already past the batch start. If every partition stands exactly at this batch's end,
-        # an earlier attempt of this very batch committed (the COMMIT's reply was lost): nothing to do.
-        if not moved and all(current[x.partition][1] == x.next_offset for x in failed):
+        # Same epoch, offset already at this batch's end on every partition: an earlier attempt of this very batch
+        # committed (the COMMIT's reply was lost): nothing to do.
+        if not moved and all(current.get(x.partition) == (x.epoch, x.next_offset) for x in failed):
             raise _AlreadyApplied
-        detail = ", ".join(
-            f"partition {x.partition}: batch starts at {x.first_offset}, stored next_offset {current[x.partition][1]}"
-            for x in failed
-        )
-        raise OffsetRegressionError(f"replay refused under our own epoch ({detail}): the seek path is broken")
+        raise OffsetMismatchError({x.partition: Mismatch(x.expected, *current.get(x.partition, (None, None)))
+                                   for x in failed})
 
     async def _quarantine_known(
         self, conn: asyncpg.Connection, batch: Batch,

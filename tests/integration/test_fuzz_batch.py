@@ -13,7 +13,7 @@ from stock_ledger.domain import Movement, Rejection, parse
 from stock_ledger.faults import Faults
 from stock_ledger.sink import Ledger
 from tests.fuzz import batches, new_topic
-from tests.helpers import Env
+from tests.helpers import FROM_ZERO, Env
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -34,7 +34,7 @@ async def test_every_record_lands_in_exactly_one_table_and_the_batch_commits(
     conn = await asyncpg.connect(database.worker_url)
     try:
         ledger = Ledger("fuzz", Faults(None))
-        claims = {c.partition: c.epoch for c in await ledger.claim(conn, topic, records, None, None)}
+        claims = {c.partition: c.epoch for c in await ledger.claim(conn, topic, records, None, None, reset=FROM_ZERO)}
         outcome = await ledger.apply(conn, build_batch(topic, records, claims))
         applied = {(r[0], r[1]) for r in await conn.fetch(
             "SELECT kafka_partition, kafka_offset FROM stock_movements WHERE kafka_topic = $1", topic)}

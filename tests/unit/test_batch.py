@@ -62,12 +62,12 @@ class TestSlices:
             TOPIC, {3: [record(3, 10), record(3, 11), record(3, 12)], 0: [record(0, 5)]}, {0: 7, 3: 2, 9: 1}
         )
         assert batch.topic == TOPIC
-        assert batch.slices == [PartitionSlice(0, 7, 5, 6), PartitionSlice(3, 2, 10, 13)]
+        assert batch.slices == [PartitionSlice(0, 7, 5, 6, 5), PartitionSlice(3, 2, 10, 13, 10)]
 
     def test_offsets_with_holes_end_after_the_last_record(self) -> None:
         """Transaction markers and compaction leave holes: next_offset is last + 1, not first + count."""
         batch = build_batch(TOPIC, {1: [record(1, 10), record(1, 12), record(1, 15)]}, {1: 4})
-        assert batch.slices == [PartitionSlice(1, 4, 10, 16)]
+        assert batch.slices == [PartitionSlice(1, 4, 10, 16, 10)]
 
     def test_a_partition_with_no_records_gets_no_slice(self) -> None:
         """An empty list (getmany returns those) does not move that partition's offset."""
@@ -82,7 +82,7 @@ class TestSlices:
     def test_a_partition_of_only_bad_records_still_advances(self) -> None:
         """Bad input never blocks a partition: its offsets move although nothing is applied."""
         batch = build_batch(TOPIC, {2: [record(2, 40, b"{"), record(2, 41, key=None)]}, {2: 9})
-        assert batch.slices == [PartitionSlice(2, 9, 40, 42)]
+        assert batch.slices == [PartitionSlice(2, 9, 40, 42, 40)]
         assert batch.movements == []
         assert len(batch.rejects) == 2
 

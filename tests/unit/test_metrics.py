@@ -42,6 +42,7 @@ CONTRACT = {
     "stock_ledger_movements_rejected_total": ("counter", {"reason"}),
     "stock_ledger_batches_committed_total": ("counter", set()),
     "stock_ledger_batches_fenced_total": ("counter", set()),
+    "stock_ledger_offset_mismatches_total": ("counter", {"direction"}),
     "stock_ledger_rebalances_total": ("counter", set()),
     "stock_ledger_partition_claims_total": ("counter", set()),
     "stock_ledger_retries_total": ("counter", {"cause"}),

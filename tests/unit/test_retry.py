@@ -12,8 +12,9 @@ from aiokafka import errors as kafka_errors
 from asyncpg import exceptions as pg
 
 from stock_ledger import retry
-from stock_ledger.errors import ConfigError, FencedError, OffsetRegressionError, RetryDeadlineExceeded
+from stock_ledger.errors import ConfigError, FencedError, Mismatch, OffsetMismatchError, RetryDeadlineExceeded
 from stock_ledger.retry import Backoff, transient_cause
+from stock_ledger.servers import ReadOnlyServerError
 
 
 class TestTransientCause:
@@ -37,6 +38,9 @@ class TestTransientCause:
             pg.IdleInTransactionSessionTimeoutError(
                 "terminating connection due to idle-in-transaction timeout"
             ),
+            # A standby promoted away from, or default_transaction_read_only: a new session finds the primary.
+            pg.ReadOnlySQLTransactionError("cannot execute INSERT in a read-only transaction"),
+            ReadOnlyServerError("the PostgreSQL server at 127.0.0.1:5433 is a standby"),
             ConnectionResetError("reset by peer"),
             ConnectionRefusedError("refused"),
             TimeoutError(),
@@ -91,7 +95,6 @@ class TestTransientCause:
             pg.NumericValueOutOfRangeError("bigint out of range"),
             pg.CharacterNotInRepertoireError("invalid byte sequence"),
             pg.InvalidPasswordError("password authentication failed"),
-            pg.ReadOnlySQLTransactionError("cannot execute INSERT in a read-only transaction"),
             kafka_errors.TopicAuthorizationFailedError(),
             kafka_errors.IllegalStateError("x"),
             kafka_errors.UnknownMemberIdError(),
@@ -99,7 +102,7 @@ class TestTransientCause:
             KeyError("x"),
             ConfigError("STOCK_LEDGER_X"),
             FencedError({0: (1, 2)}),
-            OffsetRegressionError("replay"),
+            OffsetMismatchError({0: Mismatch(20, 1, 10)}),
             asyncio.CancelledError(),
             KeyboardInterrupt(),
         ],
