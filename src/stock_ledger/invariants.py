@@ -33,7 +33,8 @@ Two things break "no row below it can appear later", and each check handles both
   so it must be in the expected sum. Each check also reads the movements below the previous watermark that were
   not visible in the previous check's snapshot (pg_visible_in_snapshot on the row's xmin: exact, and no row the
   workers wrote can pass it, since everything below a watermark was visible in that snapshot), among the rows
-  applied since `LATE_COMMIT_SECONDS` before the previous check (the BRIN index on applied_at: those rows only).
+  applied since `LATE_COMMIT_SECONDS` before the previous check (the BRIN index on applied_at: those rows, and
+  the pages (auto)vacuum has not summarized yet, which are the latest ones).
   An operator transaction open longer than that is not seen and reads as a mismatch: loud, never hidden, and the
   next full pass clears it.
 - The database goes back in time (a failover to a standby that lost commits, a restore): a stored offset lower

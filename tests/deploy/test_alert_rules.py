@@ -58,6 +58,7 @@ CONTRACT_COUNTERS = frozenset(
         "stock_ledger_rebalances_total",
         "stock_ledger_partition_claims_total",
         "stock_ledger_retries_total",
+        "stock_ledger_offset_mismatches_total",
     }
 )
 CONTRACT_HISTOGRAMS = frozenset(
