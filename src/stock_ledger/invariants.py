@@ -265,8 +265,11 @@ def _columns(ranges: Sequence[tuple[Key, int, int]]) -> tuple[list[str], list[in
 class Invariants:
     """The state between checks: the previous snapshot, the expected sum of on_hand, the holes found."""
 
-    def __init__(self, full_scan_seconds: float, now: float | None = None) -> None:
+    def __init__(self, full_scan_seconds: float, now: float | None = None, *, holes_in: str | None = None) -> None:
+        """`holes_in`: the one topic whose holes are looked for (None: every topic with a stored offset; a topic
+        the reader cannot read would fail every check)."""
         self._full_every = full_scan_seconds
+        self._holes_in = holes_in
         start = time.monotonic() if now is None else now
         self._next_full = start + random.uniform(0, full_scan_seconds)  # noqa: S311 - jitter, not a secret
         self._previous: _Snapshot | None = None
@@ -349,13 +352,14 @@ class Invariants:
         """Per partition, the offsets to look for holes in: those applied since the previous check, and for a
         rewound partition everything since its last surviving row."""
         lows = {k: prev.watermarks.get(k, 0) for k in offsets}
-        if rewound:
-            keys = sorted(rewound)
+        if rewound & lows.keys():
+            keys = sorted(rewound & lows.keys())
             for r in await conn.fetch(_SURVIVING, [k[0] for k in keys], [k[1] for k in keys],
                                       [prev.watermarks.get(k, 0) for k in keys]):
                 key = (r[0], r[1])
                 lows[key] = min(lows[key], (r[2] + 1) if r[2] is not None else 0)
-        return [(k, lows[k], hi) for k, hi in offsets.items() if hi > lows[k]]
+        return [(k, lows[k], hi) for k, hi in offsets.items()
+                if hi > lows[k] and self._holes_in in (None, k[0])]
 
     async def _delta(self, conn: asyncpg.Connection, prev: _Snapshot, offsets: dict[Key, int]) -> tuple[int, int]:
         """The qty of the rows applied since the previous check: between the previous stored offsets and these,

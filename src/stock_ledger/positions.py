@@ -58,7 +58,7 @@ class PositionMonitor:
         self._admin: AIOKafkaAdminClient | None = None
         self._records: AIOKafkaConsumer | None = None  # the invariant check's own: it is assigned one partition
         self._partitions: list[int] = []
-        self._checks = Invariants(settings.invariant_full_scan_seconds)
+        self._checks = Invariants(settings.invariant_full_scan_seconds, holes_in=settings.topic)
 
     def start(self) -> None:
         self._tasks = [

@@ -352,3 +352,18 @@ async def test_the_cost_follows_the_new_range_not_the_ledger(owner: asyncpg.Conn
     checked = await checks.check(owner, full=False, records=records)
     assert (checked.rows_checked, checked.offsets_scanned, checked.records_read) == (30, 30, 0)
     assert (checked.level_mismatches, checked.missing_records) == (0, 0)
+
+
+async def test_only_the_monitored_topic_is_read_for_holes(owner: asyncpg.Connection, topic: str,
+                                                          records: KafkaRecords) -> None:
+    """The database also holds a stored offset of a topic this broker does not have (another deployment's), with
+    offsets in neither table, and a partition whose offset row was deleted. With holes_in=<our topic> the checks
+    never try to read the foreign topic from Kafka; the deleted row counts as a rewind, not an error."""
+    checks = Invariants(full_scan_seconds=3600, holes_in=topic)
+    await apply_offsets(owner, topic, 4, list(range(10)))
+    await apply_offsets(owner, "not.on.this.broker", 0, [0], stored=1)
+    await checks.check(owner, full=False, records=records)
+    await apply_offsets(owner, "not.on.this.broker", 0, [50], stored=100)  # 1-49, 51-99 in neither table
+    await owner.execute("DELETE FROM consumer_offsets WHERE topic = $1 AND partition = 4", topic)
+    checked = await checks.check(owner, full=False, records=records)
+    assert (checked.records_read, checked.missing_records, checked.rewound) == (0, 0, (4,))
