@@ -213,6 +213,9 @@ class KafkaRecords:
         consumer = self._consumer
         consumer.assign([tp])
         log_start = int((await consumer.beginning_offsets([tp]))[tp])
+        # Below the log start nothing can be read; past the last stable offset nothing will be returned (a stored
+        # offset past the log end is StockLedgerLogGap's, not a hole of the ledger).
+        end = min(end, int((await consumer.end_offsets([tp]))[tp]))
         runs = Runs()
         start = max(start, log_start)
         if start >= end:

@@ -6,6 +6,7 @@ false mismatch; and each check can fail."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import uuid
@@ -212,13 +213,15 @@ async def test_a_hole_is_found_by_the_next_check_exported_and_cleared_by_a_repai
     """Partition 2 holds 40 records; a batch applied all of them, then offsets 13-16 were deleted (as the owner)
     before the next check. The monitor's next check finds 4 records in neither table that Kafka holds, exports
     stock_ledger_ledger_missing_records 4 and logs the range; it stays 4 on the next checks, and drops to 0 once the
-    rows are written back below the stored offset (what `stock-ledger repair` does), with no level mismatch left."""
+    rows are written back below the stored offset (what `stock-ledger repair` does), with no level mismatch left.
+    The monitor runs as the worker role, as in production."""
     await produce(services.kafka, topic, 2, 40)
     await apply_offsets(owner, topic, 2, [0], stored=1)
-    settings = Settings(kafka_bootstrap_servers=services.kafka, database_url=database.owner_url, topic=topic,
+    # As the workers run it: the worker role (SELECT on the tables, nothing more).
+    settings = Settings(kafka_bootstrap_servers=services.kafka, database_url=database.worker_url, topic=topic,
                         group_id=GROUP)
     metrics = Metrics(CollectorRegistry())
-    monitor = PositionMonitor(settings, metrics, lambda: asyncpg.connect(database.owner_url))
+    monitor = PositionMonitor(settings, metrics, lambda: asyncpg.connect(database.worker_url))
     missing = functools.partial(metrics.registry.get_sample_value, "stock_ledger_ledger_missing_records")
     try:
         assert missing() == 0  # exported from the start
@@ -367,3 +370,18 @@ async def test_only_the_monitored_topic_is_read_for_holes(owner: asyncpg.Connect
     await owner.execute("DELETE FROM consumer_offsets WHERE topic = $1 AND partition = 4", topic)
     checked = await checks.check(owner, full=False, records=records)
     assert (checked.records_read, checked.missing_records, checked.rewound) == (0, 0, (4,))
+
+
+async def test_a_stored_offset_past_the_log_end_is_not_read_forever(owner: asyncpg.Connection, topic: str,
+                                                                   services: Services,
+                                                                   records: KafkaRecords) -> None:
+    """Partition 8 holds 5 records but its stored offset says 20 (a recreated topic: StockLedgerLogGap's case):
+    offsets 5-19 are in neither table and Kafka has nothing there. The check reads up to the log end only,
+    promptly, and reports no hole."""
+    await produce(services.kafka, topic, 8, 5)
+    checks = Invariants(full_scan_seconds=3600, holes_in=topic)
+    await apply_offsets(owner, topic, 8, [0], stored=1)
+    await checks.check(owner, full=False, records=records)
+    await apply_offsets(owner, topic, 8, [1, 2, 3, 4], stored=20)
+    checked = await asyncio.wait_for(checks.check(owner, full=False, records=records), timeout=5)
+    assert (checked.offsets_scanned, checked.records_read, checked.missing_records) == (19, 0, 0)
