@@ -298,9 +298,9 @@ class Invariants:
             total = int(await conn.fetchval(_LEVELS_TOTAL))
             rewound: set[Key] = await self._rewound(conn, prev, offsets) if prev else set()
             scan: Ranges = await self._scan_ranges(conn, prev, offsets, rewound) if prev else []
-            expected, rows = self._expected, 0
+            expected, rows, counted = self._expected, 0, self._mismatches
             if full:
-                self._mismatches = int(await conn.fetchval(_MISMATCH_COUNT))
+                counted = int(await conn.fetchval(_MISMATCH_COUNT))
                 scope, expected = "full", total
             elif expected is None or prev is None or rewound:
                 scope, expected = "baseline", total
@@ -331,13 +331,15 @@ class Invariants:
         # The state moves only once everything was read: a check that failed (Kafka down) is repeated in full.
         self._previous = _Snapshot(clock, snapshot, offsets, last_rows)
         self._expected = expected
+        self._mismatches = counted
         self._holes = holes
         if full:
             self._next_full = time.monotonic() + self._full_every
         mismatches = self._mismatches if total == self._expected else max(1, self._mismatches)
         return Checked(scope, unique, ahead, mismatches, rows, time.perf_counter() - started,
                        missing_records=sum(b - a + 1 for runs in holes.values() for a, b in runs),
-                       offsets_scanned=sum(hi - lo for _, lo, hi in [*scan, *known]), records_read=read,
+                       offsets_scanned=sum(hi - lo for _, lo, hi in [*scan, *known]) if records else 0,
+                       records_read=read,
                        rewound=tuple(sorted(k[1] for k in rewound)), holes=holes)
 
     async def _rewound(self, conn: asyncpg.Connection, prev: _Snapshot, offsets: dict[Key, int]) -> set[Key]:
