@@ -385,3 +385,41 @@ async def test_a_stored_offset_past_the_log_end_is_not_read_forever(owner: async
     await apply_offsets(owner, topic, 8, [1, 2, 3, 4], stored=20)
     checked = await asyncio.wait_for(checks.check(owner, full=False, records=records), timeout=5)
     assert (checked.offsets_scanned, checked.records_read, checked.missing_records) == (19, 0, 0)
+
+
+async def test_a_replay_leaves_the_alerts_series_at_0(owner: asyncpg.Connection, database: Env,
+                                                      services: Services) -> None:
+    """Issue 32 item 5, through the metric the alert reads: the monitor (as the worker role) checks, a quarantined
+    record below the stored offset is replayed with `stock-ledger rejected replay`, and on every check after it
+    stock_ledger_ledger_stock_level_mismatches and stock_ledger_ledger_missing_records stay 0."""
+    await owner.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
+                           VALUES ($1, $2, 0, 0)""", GROUP, TOPIC)
+    async with owner.transaction():
+        await batch(owner, 0, 10)
+    value = json.dumps({"movement_id": str(uuid.uuid4()), "warehouse_id": "WH-1", "sku": "SKU-7", "qty": -4,
+                        "kind": "pick", "occurred_at": "2026-11-29T10:00:00+01:00"}).encode()
+    await owner.execute("""INSERT INTO rejected_movements (kafka_topic, kafka_partition, kafka_offset, key, value,
+                                                           reason_code, reason)
+                           VALUES ($1, 0, 10, 'SKU-7', $2, 'invalid_json', 'a parser bug, since fixed')""",
+                        TOPIC, value)
+    await owner.execute("UPDATE consumer_offsets SET next_offset = 11 WHERE topic = $1 AND partition = 0", TOPIC)
+    settings = Settings(kafka_bootstrap_servers=services.kafka, database_url=database.worker_url, topic=TOPIC,
+                        group_id=GROUP)
+    metrics = Metrics(CollectorRegistry())
+    monitor = PositionMonitor(settings, metrics, lambda: asyncpg.connect(database.worker_url))
+
+    def series() -> tuple[float | None, float | None]:
+        return (metrics.registry.get_sample_value("stock_ledger_ledger_stock_level_mismatches"),
+                metrics.registry.get_sample_value("stock_ledger_ledger_missing_records"))
+
+    try:
+        await monitor._invariants()  # the timer's body, once, without the lease
+        await monitor._invariants()
+        replay = Settings(database_url=database.owner_url, topic=TOPIC, group_id=GROUP)
+        args = argparse.Namespace(reason=None, batch_size=500, dry_run=False, json=True)
+        assert await rejected_replay(replay, args) == 0
+        for _ in range(3):
+            await monitor._invariants()
+            assert series() == (0, 0)
+    finally:
+        await monitor.close()
