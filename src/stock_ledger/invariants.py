@@ -9,7 +9,14 @@ Every check (STOCK_LEDGER_INVARIANT_REFRESH_SECONDS) runs in one read-only REPEA
 - sum(stock_levels.on_hand) = the sum of every movement's qty, kept incrementally: the first check takes the
   snapshot's sum of on_hand and each partition's stored offset as its baseline; each later check adds the qty of
   the rows between the previous and the current stored offset of each partition (an index range scan of the
-  unique index: the rows applied since the last check, whatever the size of the ledger).
+  unique index: the rows applied since the last check, whatever the size of the ledger);
+- no record below a stored offset is in neither table (a hole): in the same range scans, the offsets between the
+  previous and the current stored offset that neither stock_movements nor rejected_movements holds. Kafka leaves
+  offsets without a record (transaction markers, aborted transactional records), so such an offset is only a hole
+  if a read_committed read of the topic returns a record there: only the partitions with a missing offset are
+  read, from their first missing offset to their last. Holes found stay counted (re-probed in the database on
+  every check: `stock-ledger repair` fills them) until they are filled or a new baseline is taken;
+  `stock_ledger_ledger_missing_records` exports their size.
 
 Why the stored offsets are a watermark that never skips a row, where a watermark on applied_at or on a sequence
 would: a partition is applied by one owner at a time (the claim's epoch fences any other), in offset order, and a
@@ -19,22 +26,60 @@ writes at or above the stored offset, or is refused as an OffsetRegressionError)
 of each transaction and a sequence value is taken before commit: two workers' batches commit out of that order,
 and a row committed late would fall below a watermark already passed.
 
+Two things break "no row below it can appear later", and each check handles both:
+
+- Operator commands write below the stored offset on purpose: `stock-ledger rejected replay` (a quarantined record
+  becomes a movement at its own coordinates) and `stock-ledger repair` (fills a hole). Their qty is in stock_levels,
+  so it must be in the expected sum. Each check also reads the movements below the previous watermark that were
+  not visible in the previous check's snapshot (pg_visible_in_snapshot on the row's xmin: exact, and no row the
+  workers wrote can pass it, since everything below a watermark was visible in that snapshot), among the rows
+  applied since `LATE_COMMIT_SECONDS` before the previous check (the BRIN index on applied_at: those rows, and
+  the pages (auto)vacuum has not summarized yet, which are the latest ones).
+  An operator transaction open longer than that is not seen and reads as a mismatch: loud, never hidden, and the
+  next full pass clears it.
+- The database goes back in time (a failover to a standby that lost commits, a restore): a stored offset lower
+  than the previous one, or the last movement below the previous watermark gone or rewritten (re-applied after the
+  rewind: another applied_at). The ledger below the watermark is then not what the sums were built on, so the
+  check logs `invariants.rewound` with the partitions and takes a new baseline of the sum instead of reporting a
+  false mismatch, and re-scans each rewound partition for holes from its last surviving row (the range a worker
+  may have skipped: it shows as a hole when Kafka still holds it, as lag while the stored offset is below it).
+
 Every STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS (default 6 h; the first one at a random point of the first interval,
 so pods started together do not scan together) a full pass compares each (warehouse, sku) of stock_levels with
 the sum of its movements (a sequential scan of stock_movements) and takes a new baseline. An incremental check
 can only see that the totals differ, not which rows: it then reports at least 1 mismatch until a full pass counts
-them (`stock-ledger verify` lists them).
+them (`stock-ledger verify` lists them). Holes below the first baseline (a pod that just became the monitor) are
+not looked for: that needs the whole topic, `stock-ledger verify` reads it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Final, Protocol
+
+import structlog
+from aiokafka import TopicPartition
+
+from stock_ledger.ranges import Found, Run, Runs, clip, describe, difference
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+    from datetime import datetime
+
     import asyncpg
+    from aiokafka import AIOKafkaConsumer
+
+log = structlog.get_logger(__name__)
+
+# How long an operator transaction (rejected replay, repair) may stay open and still have its rows below the
+# watermark counted (module docstring). Each check reads the rows applied in this long plus one interval.
+LATE_COMMIT_SECONDS: Final = 120.0
+# A read of the topic that makes no progress for this long fails the check (retried on the next one).
+_KAFKA_STALL_SECONDS: Final = 10.0
 
 # The coordinates' unique constraint, exactly as migrations/0001_ledger.sql declares it, and usable.
 COORDINATES_UNIQUE: Final = """
@@ -43,6 +88,9 @@ SELECT coalesce(bool_and(i.indisvalid AND i.indisunique AND i.indimmediate), fal
  WHERE c.conrelid = 'stock_movements'::regclass AND c.contype IN ('u', 'p')
    AND pg_get_constraintdef(c.oid) = 'UNIQUE (kafka_topic, kafka_partition, kafka_offset)'
 """
+# The first statement of a check: clock_timestamp() is read after the snapshot is taken, so every row the snapshot
+# holds was applied (applied_at = its transaction's start) before it.
+_SNAPSHOT: Final = "SELECT clock_timestamp(), pg_current_snapshot()::text"
 # Per (topic, partition), whatever the group: a second group on the same topic and database could only re-apply
 # rows (refused by the unique constraint), so the furthest stored offset is the watermark.
 _OFFSETS: Final = "SELECT topic, partition, max(next_offset) FROM consumer_offsets GROUP BY 1, 2"
@@ -64,6 +112,74 @@ SELECT coalesce(sum(d.qty), 0)::numeric, coalesce(sum(d.n), 0)::bigint
         WHERE m.kafka_topic = w.topic AND m.kafka_partition = w.p AND m.kafka_offset >= w.lo AND m.kafka_offset < w.hi
        ) AS d
 """
+# The offsets of [lo, hi) in neither table, as runs (first, last): a range scan of both unique indexes per range;
+# the sentinel lo - 1 and lead()'s default hi close the runs at both ends. An offset held twice is not missing.
+_MISSING: Final = """
+SELECT w.topic, w.p, g.first, g.last
+  FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bigint[]) AS w(topic, p, lo, hi)
+ CROSS JOIN LATERAL (
+       SELECT s.o + 1 AS first, s.next - 1 AS last FROM (
+              SELECT u.o, lead(u.o, 1, w.hi) OVER (ORDER BY u.o) AS next FROM (
+                     SELECT w.lo - 1 AS o
+                     UNION ALL
+                     SELECT m.kafka_offset FROM stock_movements AS m
+                      WHERE m.kafka_topic = w.topic AND m.kafka_partition = w.p
+                        AND m.kafka_offset >= w.lo AND m.kafka_offset < w.hi
+                     UNION ALL
+                     SELECT r.kafka_offset FROM rejected_movements AS r
+                      WHERE r.kafka_topic = w.topic AND r.kafka_partition = w.p
+                        AND r.kafka_offset >= w.lo AND r.kafka_offset < w.hi
+                     ) AS u
+              ) AS s
+        WHERE s.next > s.o + 1
+       ) AS g
+ ORDER BY 1, 2, 3
+"""
+# The last movement below each watermark (offset, applied_at): one backward index probe per partition. A ledger
+# is append-only, so the same row must still be there, unchanged, at the next check.
+_LAST_ROW: Final = """
+SELECT w.topic, w.p, m.kafka_offset, m.applied_at
+  FROM unnest($1::text[], $2::int[], $3::bigint[]) AS w(topic, p, below)
+ CROSS JOIN LATERAL (
+       SELECT kafka_offset, applied_at FROM stock_movements
+        WHERE kafka_topic = w.topic AND kafka_partition = w.p AND kafka_offset < w.below
+        ORDER BY kafka_offset DESC LIMIT 1
+       ) AS m
+"""
+_ROW_AT: Final = """
+SELECT w.topic, w.p, m.applied_at
+  FROM unnest($1::text[], $2::int[], $3::bigint[]) AS w(topic, p, o)
+  JOIN stock_movements AS m ON m.kafka_topic = w.topic AND m.kafka_partition = w.p AND m.kafka_offset = w.o
+"""
+# The highest offset in either table below a watermark (where a rewound partition's surviving history ends).
+_SURVIVING: Final = """
+SELECT w.topic, w.p, greatest(
+         (SELECT max(kafka_offset) FROM stock_movements
+           WHERE kafka_topic = w.topic AND kafka_partition = w.p AND kafka_offset < w.below),
+         (SELECT max(kafka_offset) FROM rejected_movements
+           WHERE kafka_topic = w.topic AND kafka_partition = w.p AND kafka_offset < w.below))
+  FROM unnest($1::text[], $2::int[], $3::bigint[]) AS w(topic, p, below)
+"""
+# Movements below the previous watermark that the previous snapshot ($5) did not hold: rows operator commands wrote
+# since. MATERIALIZED: the BRIN index on applied_at picks the recent rows first, whatever the statistics say. xmin
+# is a 32-bit xid: it is widened to xid8 with the epoch of the current snapshot's xmax (rows this recent are far
+# less than 2^31 transactions old).
+_BELOW: Final = """
+WITH recent AS MATERIALIZED (
+       SELECT kafka_topic, kafka_partition, kafka_offset, qty, xmin::text::bigint AS x FROM stock_movements
+        WHERE applied_at >= $4
+     ), ref AS (
+       SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS r
+     )
+SELECT coalesce(sum(m.qty), 0)::numeric, count(*)
+  FROM recent AS m
+  JOIN unnest($1::text[], $2::int[], $3::bigint[]) AS w(topic, p, below)
+    ON m.kafka_topic = w.topic AND m.kafka_partition = w.p AND m.kafka_offset < w.below
+ CROSS JOIN ref
+ WHERE NOT pg_visible_in_snapshot(
+         ((ref.r / 4294967296 - CASE WHEN m.x > ref.r % 4294967296 THEN 1 ELSE 0 END) * 4294967296 + m.x)::text::xid8,
+         $5::text::pg_snapshot)
+"""
 # stock_levels rows that differ from the sum of their movements (both sides: a level without movements, movements
 # without a level). The one definition: the full pass counts them, `verify` shows a few.
 LEVEL_MISMATCHES: Final = """
@@ -76,6 +192,47 @@ SELECT coalesce(m.warehouse_id, l.warehouse_id) AS w, coalesce(m.sku, l.sku) AS 
 _MISMATCH_COUNT: Final = f"SELECT count(*) FROM ({LEVEL_MISMATCHES}) AS mismatches"
 
 Key = tuple[str, int]  # (topic, partition)
+Ranges = list[tuple[Key, int, int]]  # (key, lo, hi): the offsets [lo, hi) of a partition
+
+
+class RecordOffsets(Protocol):
+    """The offsets of the committed records of a partition in [start, end) (read_committed: transaction markers
+    and aborted records are not records), and the partition's log start (below it nothing can be read)."""
+
+    async def __call__(self, topic: str, partition: int, start: int, end: int) -> tuple[Runs, int]: ...
+
+
+class KafkaRecords:
+    """RecordOffsets from a consumer of its own (read_committed, no group): it is assigned one partition at a time."""
+
+    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
+
+    async def __call__(self, topic: str, partition: int, start: int, end: int) -> tuple[Runs, int]:
+        tp = TopicPartition(topic, partition)
+        consumer = self._consumer
+        consumer.assign([tp])
+        log_start = int((await consumer.beginning_offsets([tp]))[tp])
+        # Below the log start nothing can be read; past the last stable offset nothing will be returned (a stored
+        # offset past the log end is StockLedgerLogGap's, not a hole of the ledger).
+        end = min(end, int((await consumer.end_offsets([tp]))[tp]))
+        runs = Runs()
+        start = max(start, log_start)
+        if start >= end:
+            return runs, log_start
+        consumer.seek(tp, start)
+        last, moved = start, time.monotonic()
+        while (position := await consumer.position(tp)) < end:
+            if position != last:
+                last, moved = position, time.monotonic()
+            elif time.monotonic() - moved > _KAFKA_STALL_SECONDS:
+                msg = f"reading {topic}/{partition} made no progress at offset {position} (reading up to {end})"
+                raise TimeoutError(msg)
+            fetched = await consumer.getmany(tp, timeout_ms=500, max_records=5_000)
+            for record in fetched.get(tp, []):
+                if start <= record.offset < end:
+                    runs.add(record.offset)
+        return runs, log_start
 
 
 @dataclass(frozen=True)
@@ -86,53 +243,201 @@ class Checked:
     level_mismatches: int
     rows_checked: int  # movements whose qty an incremental check added (0 for the others)
     seconds: float
+    missing_records: int = 0  # records below a stored offset in neither table (holes), as known after this check
+    offsets_scanned: int = 0  # offsets this check scanned for holes (the new ranges and the known holes)
+    records_read: int = 0  # Kafka records read to tell holes from markers
+    rewound: tuple[int, ...] = ()  # partitions whose stored history went back since the previous check
+    holes: dict[Key, list[Run]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What one check read, kept for the next."""
+
+    clock: datetime
+    snapshot: str  # pg_snapshot as text
+    watermarks: dict[Key, int]
+    last_rows: dict[Key, tuple[int, datetime]]
+
+
+def _columns(ranges: Sequence[tuple[Key, int, int]]) -> tuple[list[str], list[int], list[int], list[int]]:
+    return [k[0] for k, _, _ in ranges], [k[1] for k, _, _ in ranges], [lo for _, lo, _ in ranges], \
+        [hi for _, _, hi in ranges]
 
 
 class Invariants:
-    """The state between checks: the stored offsets and the expected sum of on_hand at the last one."""
+    """The state between checks: the previous snapshot, the expected sum of on_hand, the holes found."""
 
-    def __init__(self, full_scan_seconds: float, now: float | None = None) -> None:
+    def __init__(self, full_scan_seconds: float, now: float | None = None, *, holes_in: str | None = None) -> None:
+        """`holes_in`: the one topic whose holes are looked for (None: every topic with a stored offset; a topic
+        the reader cannot read would fail every check)."""
         self._full_every = full_scan_seconds
+        self._holes_in = holes_in
         start = time.monotonic() if now is None else now
         self._next_full = start + random.uniform(0, full_scan_seconds)  # noqa: S311 - jitter, not a secret
-        self._watermarks: dict[Key, int] = {}
+        self._previous: _Snapshot | None = None
         self._expected: int | None = None
         self._mismatches = 0  # as counted by the last full pass
+        self._holes: dict[Key, list[Run]] = {}
 
     def full_due(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self._next_full
 
-    async def check(self, conn: asyncpg.Connection, *, full: bool | None = None) -> Checked:
-        """One check in one snapshot; `full` forces (True) or forbids (False) the full pass (default: when due)."""
+    async def check(self, conn: asyncpg.Connection, *, full: bool | None = None,
+                    records: RecordOffsets | None = None) -> Checked:
+        """One check in one snapshot; `full` forces (True) or forbids (False) the full pass (default: when due).
+        `records` reads the topic where offsets are missing from both tables (None: holes are not looked for)."""
         started = time.perf_counter()
         full = self.full_due() if full is None else full
+        prev = self._previous
         async with conn.transaction(isolation="repeatable_read", readonly=True):
+            clock, snapshot = await conn.fetchrow(_SNAPSHOT)
             unique = bool(await conn.fetchval(COORDINATES_UNIQUE))
             ahead = int(await conn.fetchval(_AHEAD))
             offsets: dict[Key, int] = {(r[0], r[1]): r[2] or 0 for r in await conn.fetch(_OFFSETS)}
             total = int(await conn.fetchval(_LEVELS_TOTAL))
+            rewound: set[Key] = await self._rewound(conn, prev, offsets) if prev else set()
+            scan: Ranges = await self._scan_ranges(conn, prev, offsets, rewound) if prev else []
+            expected, rows, counted = self._expected, 0, self._mismatches
             if full:
-                self._mismatches = int(await conn.fetchval(_MISMATCH_COUNT))
-                scope, rows = "full", 0
-                self._expected = total
-            elif self._expected is None:
-                scope, rows = "baseline", 0
-                self._expected = total
+                counted = int(await conn.fetchval(_MISMATCH_COUNT))
+                scope, expected = "full", total
+            elif expected is None or prev is None or rewound:
+                scope, expected = "baseline", total
             else:
                 scope = "incremental"
-                added, rows = await self._delta(conn, offsets)
-                self._expected += added
-        self._watermarks = offsets
+                added, rows = await self._delta(conn, prev, offsets)
+                expected += added
+            known = [(k, first, last + 1) for k, runs in self._holes.items() for first, last in runs]
+            missing = await self._missing(conn, [*scan, *known]) if records is not None else {}
+            last_rows = await self._last_rows(conn, offsets)
+        new = {k: [r for r in runs if not _within(r, self._holes.get(k, []))] for k, runs in missing.items()}
+        confirmed, read = await self._confirm(new, records) if records is not None else ({}, 0)
+        holes: dict[Key, list[Run]] = {}
+        for k in {*missing, *confirmed}:
+            # A known hole stays one while its offsets are still missing and below the stored offset (a stored
+            # offset that went back below it makes it lag, no longer a hole).
+            still = [r for r in missing.get(k, []) if _within(r, self._holes.get(k, []))]
+            if runs := _merge(clip([*confirmed.get(k, []), *still], 0, offsets.get(k, 0) - 1)):
+                holes[k] = runs
+        if rewound:
+            log.warning("invariants.rewound", partitions=sorted(k[1] for k in rewound),
+                        detail="the stored history of these partitions went back (a database failover to a standby "
+                               "that lost commits, or a restore): new baseline of the level sum; the range since "
+                               "their last surviving row is checked for holes",
+                        offsets={f"{k[0]}/{k[1]}": [prev.watermarks.get(k) if prev else None, offsets.get(k)]
+                                 for k in sorted(rewound)})
+        self._report_new_holes(holes)
+        # The state moves only once everything was read: a check that failed (Kafka down) is repeated in full.
+        self._previous = _Snapshot(clock, snapshot, offsets, last_rows)
+        self._expected = expected
+        self._mismatches = counted
+        self._holes = holes
         if full:
             self._next_full = time.monotonic() + self._full_every
         mismatches = self._mismatches if total == self._expected else max(1, self._mismatches)
-        return Checked(scope, unique, ahead, mismatches, rows, time.perf_counter() - started)
+        return Checked(scope, unique, ahead, mismatches, rows, time.perf_counter() - started,
+                       missing_records=sum(b - a + 1 for runs in holes.values() for a, b in runs),
+                       offsets_scanned=sum(hi - lo for _, lo, hi in [*scan, *known]) if records else 0,
+                       records_read=read,
+                       rewound=tuple(sorted(k[1] for k in rewound)), holes=holes)
 
-    async def _delta(self, conn: asyncpg.Connection, offsets: dict[Key, int]) -> tuple[int, int]:
-        """The qty of the rows applied between the previous stored offsets and these, per partition."""
-        ranges = [(k, self._watermarks.get(k, 0), hi) for k, hi in offsets.items() if hi > self._watermarks.get(k, 0)]
-        if not ranges:
-            return 0, 0
-        added, rows = await conn.fetchrow(_DELTA, [k[0] for k, _, _ in ranges], [k[1] for k, _, _ in ranges],
-                                          [lo for _, lo, _ in ranges], [hi for _, _, hi in ranges])
-        return int(added), int(rows)
+    async def _rewound(self, conn: asyncpg.Connection, prev: _Snapshot, offsets: dict[Key, int]) -> set[Key]:
+        """Partitions whose stored offset went back, or whose last movement below the previous watermark is gone or
+        was written again (another applied_at): the database went back in time."""
+        back = {k for k, w in prev.watermarks.items() if offsets.get(k, 0) < w}
+        rows = [(k, o) for k, (o, _) in prev.last_rows.items()]
+        found = {(r[0], r[1]): r[2] for r in await conn.fetch(
+            _ROW_AT, [k[0] for k, _ in rows], [k[1] for k, _ in rows], [o for _, o in rows])}
+        changed = {k for k, (_, at) in prev.last_rows.items() if found.get(k) != at}
+        return back | changed
+
+    async def _scan_ranges(self, conn: asyncpg.Connection, prev: _Snapshot, offsets: dict[Key, int],
+                           rewound: set[Key]) -> Ranges:
+        """Per partition, the offsets to look for holes in: those applied since the previous check, and for a
+        rewound partition everything since its last surviving row."""
+        lows = {k: prev.watermarks.get(k, 0) for k in offsets}
+        if rewound & lows.keys():
+            keys = sorted(rewound & lows.keys())
+            for r in await conn.fetch(_SURVIVING, [k[0] for k in keys], [k[1] for k in keys],
+                                      [prev.watermarks.get(k, 0) for k in keys]):
+                key = (r[0], r[1])
+                lows[key] = min(lows[key], (r[2] + 1) if r[2] is not None else 0)
+        return [(k, lows[k], hi) for k, hi in offsets.items()
+                if hi > lows[k] and self._holes_in in (None, k[0])]
+
+    async def _delta(self, conn: asyncpg.Connection, prev: _Snapshot, offsets: dict[Key, int]) -> tuple[int, int]:
+        """The qty of the rows applied since the previous check: between the previous stored offsets and these,
+        and below the previous ones the rows the previous snapshot did not hold (operator commands)."""
+        ranges = [(k, prev.watermarks.get(k, 0), hi) for k, hi in offsets.items() if hi > prev.watermarks.get(k, 0)]
+        added, rows = 0, 0
+        if ranges:
+            qty, n = await conn.fetchrow(_DELTA, *_columns(ranges))
+            added, rows = int(qty), int(n)
+        below = [(k, w) for k, w in prev.watermarks.items() if w > 0]
+        if below:
+            since = prev.clock - timedelta(seconds=LATE_COMMIT_SECONDS)
+            qty, n = await conn.fetchrow(_BELOW, [k[0] for k, _ in below], [k[1] for k, _ in below],
+                                         [w for _, w in below], since, prev.snapshot)
+            added, rows = added + int(qty), rows + int(n)
+        return added, rows
+
+    @staticmethod
+    async def _missing(conn: asyncpg.Connection, ranges: Ranges) -> dict[Key, list[Run]]:
+        found: dict[Key, list[Run]] = {}
+        if ranges:
+            for r in await conn.fetch(_MISSING, *_columns(ranges)):
+                found.setdefault((r[0], r[1]), []).append((r[2], r[3]))
+        return found
+
+    @staticmethod
+    async def _last_rows(conn: asyncpg.Connection, offsets: dict[Key, int]) -> dict[Key, tuple[int, datetime]]:
+        keys = [k for k, hi in offsets.items() if hi > 0]
+        return {(r[0], r[1]): (r[2], r[3]) for r in await conn.fetch(
+            _LAST_ROW, [k[0] for k in keys], [k[1] for k in keys], [offsets[k] for k in keys])}
+
+    @staticmethod
+    async def _confirm(missing: dict[Key, list[Run]], records: RecordOffsets) -> tuple[dict[Key, list[Run]], int]:
+        """The missing offsets Kafka holds a committed record at: holes. One read per partition, from its first
+        missing offset to its last."""
+        holes: dict[Key, list[Run]] = {}
+        read = 0
+        for key, runs in missing.items():
+            if not runs:
+                continue
+            topic_runs, log_start = await records(key[0], key[1], runs[0][0], runs[-1][1] + 1)
+            read += topic_runs.count
+            lost = list(difference(topic_runs, difference(topic_runs, runs)))  # topic_runs ∩ runs
+            if lost:
+                holes[key] = lost
+            if runs[0][0] < log_start:
+                log.warning("invariants.unconfirmed", topic=key[0], partition=key[1],
+                            offsets=describe((runs[0][0], min(runs[-1][1], log_start - 1))),
+                            detail="offsets in neither table are below the log start: Kafka no longer says "
+                                   "whether they held records; `stock-ledger verify` cannot either")
+            await asyncio.sleep(0)
+        return holes, read
+
+    def _report_new_holes(self, holes: dict[Key, list[Run]]) -> None:
+        for key, runs in holes.items():
+            new = [r for r in runs if not _within(r, self._holes.get(key, []))]
+            if new:
+                found = Found().extend(new)
+                log.error("invariants.hole", topic=key[0], partition=key[1], records=found.offsets,
+                          offsets=", ".join(describe(r) for r in found.sample),
+                          detail="records below the stored offset are in neither stock_movements nor "
+                                 "rejected_movements: run `stock-ledger verify`, then `stock-ledger repair`")
+
+
+def _within(run: Run, runs: Iterable[Run]) -> bool:
+    return any(a <= run[0] and run[1] <= b for a, b in runs)
+
+
+def _merge(runs: Iterable[Run]) -> list[Run]:
+    merged: list[Run] = []
+    for first, last in sorted(runs):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged

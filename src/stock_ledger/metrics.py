@@ -185,6 +185,9 @@ class Metrics:
         self.level_mismatches = Gauge(_P + "ledger_stock_level_mismatches",
                                       "stock_levels rows that differ from the sum of their movements.",
                                       registry=registry)
+        self.missing_records = Gauge(_P + "ledger_missing_records",
+                                     "Records below a stored offset in neither stock_movements nor rejected_movements "
+                                     "(Kafka holds them: a hole in the ledger), as last found.", registry=registry)
         # Warehouse signals, on the position timer from the partial index of negative levels (positions.py).
         # Every pod exports the same whole-ledger value: aggregate with max.
         self.negative_stock_levels = Gauge(_P + "negative_stock_levels",

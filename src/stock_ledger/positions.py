@@ -10,7 +10,8 @@ partial index stock_levels_negative_idx (migration 0004): it holds the negative 
 
 Invariants (every STOCK_LEDGER_INVARIANT_REFRESH_SECONDS, default 60 s): see invariants.py. Each check costs what
 was applied since the previous one; a full scan of stock_movements runs every
-STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS (default 6 h).
+STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS (default 6 h). The check has a Kafka consumer of its own (read_committed,
+no group) to tell holes (records in neither table) from transaction markers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from stock_ledger.clients import create_database_pool, kafka_options
 from stock_ledger.gaps import find_gap
-from stock_ledger.invariants import Invariants
+from stock_ledger.invariants import Invariants, KafkaRecords
 from stock_ledger.lease import Lease, lease_key
 from stock_ledger.sink import stored_offsets
 from stock_ledger.stock import NEGATIVE_TOTALS
@@ -55,8 +56,9 @@ class PositionMonitor:
         self._pool: asyncpg.Pool | None = None
         self._kafka: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
+        self._records: AIOKafkaConsumer | None = None  # the invariant check's own: it is assigned one partition
         self._partitions: list[int] = []
-        self._checks = Invariants(settings.invariant_full_scan_seconds)
+        self._checks = Invariants(settings.invariant_full_scan_seconds, holes_in=settings.topic)
 
     def start(self) -> None:
         self._tasks = [
@@ -74,7 +76,8 @@ class PositionMonitor:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for closer in (self._kafka and self._kafka.stop, self._admin and self._admin.close,
+        for closer in (self._kafka and self._kafka.stop, self._records and self._records.stop,
+                       self._admin and self._admin.close,
                        self._pool and self._pool.close, self._lease.close):
             if closer is not None:
                 with contextlib.suppress(Exception):
@@ -178,12 +181,21 @@ class PositionMonitor:
 
     async def _invariants(self) -> None:
         pool = await self._db()
+        if self._records is None:
+            s = self._s
+            # Reads the ranges where offsets are in neither table, to tell holes from transaction markers.
+            self._records = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap_servers, enable_auto_commit=False,
+                                             isolation_level="read_committed", auto_offset_reset="none",
+                                             max_partition_fetch_bytes=1024 * 1024, **kafka_options(s))
+            await self._records.start()
         async with pool.acquire() as conn:
-            checked = await self._checks.check(conn)
+            checked = await self._checks.check(conn, records=KafkaRecords(self._records))
         self._m.coordinates_unique.set(1 if checked.coordinates_unique else 0)
         self._m.partitions_ahead.set(checked.partitions_ahead)
         self._m.level_mismatches.set(checked.level_mismatches)
+        self._m.missing_records.set(checked.missing_records)
         self._m.invariant_check.labels(checked.scope).observe(checked.seconds)
         log.info("invariants.checked", scope=checked.scope, seconds=round(checked.seconds, 3),
                  rows=checked.rows_checked, unique=checked.coordinates_unique, ahead=checked.partitions_ahead,
-                 mismatches=checked.level_mismatches)
+                 mismatches=checked.level_mismatches, missing=checked.missing_records,
+                 scanned=checked.offsets_scanned, read=checked.records_read)

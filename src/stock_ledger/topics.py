@@ -1,14 +1,16 @@
-"""Creating the topic (explicitly: the brokers run with auto.create.topics.enable=false)."""
+"""The topic: creating it (explicitly: the brokers run with auto.create.topics.enable=false), its partitions, and
+its cleanup.policy, refused at start and watched while running (compaction deletes movements before they are
+applied)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
 from stock_ledger.errors import StockLedgerError
 
@@ -57,8 +59,8 @@ async def partitions_of(bootstrap: str, topic: str, *, options: Mapping[str, Any
 async def cleanup_policy(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> str | None:
     """The topic's cleanup.policy (None if the topic does not exist)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
-    await admin.start()
     try:
+        await admin.start()
         responses = await admin.describe_configs(
             [ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})])
     finally:
@@ -70,12 +72,44 @@ async def cleanup_policy(bootstrap: str, topic: str, *, options: Mapping[str, An
     return None
 
 
+def _compacted(topic: str, policy: str | None) -> StockLedgerError | None:
+    if policy is None or "compact" not in policy:
+        return None
+    return StockLedgerError(
+        f"topic {topic} has cleanup.policy={policy}: compaction deletes movements before they are applied. "
+        "Set cleanup.policy=delete on the topic (kafka-configs --alter --add-config cleanup.policy=delete)"
+    )
+
+
 async def refuse_compacted(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> None:
     """Compaction deletes movements of a SKU before they are applied (only the key's last record survives): a
     ledger over a compacted topic silently loses movements, so the worker refuses to start on one."""
-    policy = await cleanup_policy(bootstrap, topic, options=options)
-    if policy is not None and "compact" in policy:
-        raise StockLedgerError(
-            f"topic {topic} has cleanup.policy={policy}: compaction deletes movements before they are applied. "
-            "Set cleanup.policy=delete on the topic (kafka-configs --alter --add-config cleanup.policy=delete)"
-        )
+    if error := _compacted(topic, await cleanup_policy(bootstrap, topic, options=options)):
+        raise error
+
+
+async def watch_compaction(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None,
+                           interval_seconds: float) -> NoReturn:
+    """Read the topic's cleanup.policy now and every `interval_seconds`; raise StockLedgerError (the worker halts)
+    as soon as it contains compact: compaction switched on while the worker runs deletes movements it has not
+    applied yet, as it would have at start (refuse_compacted). A failed read (the broker unreachable, a timeout) is
+    logged and tried again at the next interval: it says nothing about the policy. A topic that no longer exists is
+    not compacted; the worker's fetches say what is wrong with it."""
+    while True:
+        try:
+            policy = await asyncio.wait_for(cleanup_policy(bootstrap, topic, options=options),
+                                            timeout=max(5.0, interval_seconds))
+        except asyncio.CancelledError:
+            raise
+        except (KafkaError, OSError, TimeoutError) as exc:
+            log.warning("topic.policy_check_failed", topic=topic, error=f"{type(exc).__name__}: {exc}",
+                        retry_in_seconds=interval_seconds)
+        else:
+            if error := _compacted(topic, policy):
+                log.error("topic.compacted", topic=topic, policy=policy,
+                          detail="cleanup.policy changed to compact while the worker runs: it stops. Set "
+                                 "cleanup.policy=delete, then run `stock-ledger verify` (records compacted away "
+                                 "before they were applied show as holes)")
+                raise StockLedgerError(f"{error} (changed while the worker ran: run `stock-ledger verify` after "
+                                       "fixing it)")
+        await asyncio.sleep(interval_seconds)

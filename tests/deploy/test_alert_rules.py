@@ -43,6 +43,7 @@ CONTRACT_GAUGES = frozenset(
         "stock_ledger_ledger_coordinates_unique",
         "stock_ledger_ledger_partitions_ahead_of_offset",
         "stock_ledger_ledger_stock_level_mismatches",
+        "stock_ledger_ledger_missing_records",
         "stock_ledger_negative_stock_levels",
         "stock_ledger_negative_stock_units",
         "stock_ledger_build_info",
@@ -57,6 +58,7 @@ CONTRACT_COUNTERS = frozenset(
         "stock_ledger_rebalances_total",
         "stock_ledger_partition_claims_total",
         "stock_ledger_retries_total",
+        "stock_ledger_offset_mismatches_total",
     }
 )
 CONTRACT_HISTOGRAMS = frozenset(

@@ -35,6 +35,7 @@ CONTRACT = {
     "stock_ledger_ledger_partitions_ahead_of_offset": ("gauge", set()),
     "stock_ledger_invariant_check_duration_seconds": ("histogram", {"scope"}),
     "stock_ledger_ledger_stock_level_mismatches": ("gauge", set()),
+    "stock_ledger_ledger_missing_records": ("gauge", set()),
     "stock_ledger_negative_stock_levels": ("gauge", set()),
     "stock_ledger_negative_stock_units": ("gauge", set()),
     "stock_ledger_build_info": ("gauge", {"version", "python", "aiokafka", "asyncpg"}),
