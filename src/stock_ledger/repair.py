@@ -215,6 +215,8 @@ async def repair(settings: Settings, conn: asyncpg.Connection, *, partitions: fr
             applying.finish()
     finally:
         await consumer.stop()
+    log.info("repair.done", run_id=str(report.run_id), topic=report.topic, group=report.group, dry_run=dry_run,
+             partitions=len(report.partitions), exit_code=report.exit_code, **report.totals())
     return report
 
 

@@ -244,15 +244,26 @@ class TestRepair:
     async def test_repair_beside_running_workers_and_a_producer(
         self, services: Services, database: Env, topic: str, workers: WorkerPool,
     ) -> None:
-        """Two workers run and 3,000 movements arrive at 600/s while the lost range is deleted and repaired: repair
-        exits 0 having applied the 16 and quarantined the 4, the workers apply everything else, and once drained the
-        ledger is exact (every record once, levels = Σ movements, offsets at the log end) and verify passes."""
+        """Two workers run while 3,000 movements arrive at 600/s, and 400 more on p5 for the lost range's own
+        (warehouse, sku) pairs, so workers and repair update the same stock_levels rows. The lost range is deleted
+        and repaired meanwhile: repair exits 0 having applied the 16 and quarantined the 4, the workers apply
+        everything else, and once drained the ledger is exact (every record once, levels = Σ movements, offsets at
+        the log end) and verify passes."""
         await send_to_partition(services.kafka, topic, P, _partition_records())
         await produce(services.kafka, topic, 600, seed=7, show_progress=False)
         workers.start()
         workers.start()
         await wait_drained(services, database, topic, workers.group, 90, workers)
-        producing = asyncio.create_task(produce(services.kafka, topic, 3_000, rate=600, seed=8, show_progress=False))
+        async def same_skus_on_p5() -> None:
+            for n in range(20):
+                await send_to_partition(services.kafka, topic, P, [
+                    (f"SKU-{i % 4}".encode(),
+                     json.dumps(movement(f"SKU-{i % 4}", qty=n + 1, warehouse=f"WH-{i % 2}")).encode())
+                    for i in range(20)])
+                await asyncio.sleep(0.25)
+
+        producing = asyncio.gather(produce(services.kafka, topic, 3_000, rate=600, seed=8, show_progress=False),
+                                   same_skus_on_p5())
         await asyncio.sleep(1)
         await lose_range(database, topic, *LOST)
         assert not producing.done(), "repair is meant to start while the producer runs"
@@ -262,8 +273,9 @@ class TestRepair:
         assert done.json()["totals"]["quarantined"] == EXPECTED["quarantined"]
         await producing
         await wait_drained(services, database, topic, workers.group, 90, workers)
-        # p5's 46 good records, 600 and 3,000 generated movements; p5's 4 bad records quarantined.
-        await assert_exact(services, database, topic, workers.group, rows=46 + 600 + 3_000, rejected=4, pool=workers)
+        # p5's 46 good records and 400 more, 600 and 3,000 generated movements; p5's 4 bad records quarantined.
+        await assert_exact(services, database, topic, workers.group, rows=46 + 400 + 600 + 3_000, rejected=4,
+                           pool=workers)
         assert (await run_verify(workers)).code == 0
         workers.assert_no_tracebacks()
 
