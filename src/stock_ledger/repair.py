@@ -43,7 +43,7 @@ from stock_ledger.errors import CoordinateConflictError, StockLedgerError
 from stock_ledger.operate import transaction
 from stock_ledger.progress import Progress
 from stock_ledger.ranges import Run, describe, difference
-from stock_ledger.sink import add_levels, known_movement_ids, stored_offsets
+from stock_ledger.sink import add_levels, known_movement_ids, refusal, stored_offsets
 from stock_ledger.verify import (
     Scope,
     Window,
@@ -346,6 +346,16 @@ async def _chunk_with_retries(run: _Run, tp: TopicPartition, records: list[Any])
                     "nothing of this chunk was written. Run repair again: it continues with what is still missing "
                     "(raise STOCK_LEDGER_LOCK_TIMEOUT_MS if workers hold stock levels for long)") from exc
             await asyncio.sleep(0.2 * attempt)
+        except (ValueError, OverflowError, asyncpg.PostgresError) as exc:
+            why = refusal(exc)
+            if why is None:
+                raise
+            # The worker would quarantine the refused record as database_rejected (sink._copy_isolating); repair
+            # stops instead: the parser accepted the record, so this database differs from what migrations/ define.
+            raise StockLedgerError(
+                f"{tp.topic}/{tp.partition} offsets {records[0].offset}..{records[-1].offset}: {why}; nothing of "
+                "this chunk was written. Check the schema against migrations/ (`stock-ledger migrate`); "
+                f"`--partition {tp.partition} --batch-size 1` names the record") from exc
         else:
             run.seen.update(done.applied_ids)
             return done

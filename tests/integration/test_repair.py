@@ -336,3 +336,22 @@ class TestRepair:
         assert settled.code == 0, settled.err
         assert settled.json()["totals"]["excluded_recorded_gaps"] == 10
         assert (await run_verify(workers)).code == 0
+
+    async def test_a_record_the_database_refuses_stops_the_repair_with_nothing_of_its_chunk_written(
+        self, services: Services, database: Env, topic: str, workers: WorkerPool,
+    ) -> None:
+        """A CHECK the migrations do not define (qty <> 27, for new rows) refuses offset 26 of the lost range, which
+        the parser accepts: repair exits 1 naming the partition, the offsets and the refusal; the ledger is as it
+        was."""
+        await lost_range_ledger(services, database, topic, workers)
+        conn = await owner(database)
+        try:
+            await conn.execute("ALTER TABLE stock_movements ADD CONSTRAINT not_27 CHECK (qty <> 27) NOT VALID")
+        finally:
+            await conn.close()
+        damaged = await snapshot(database)
+        refused = await cli(workers, "repair")
+        assert refused.code == 1, refused.out + refused.err
+        assert f"/{P} offsets 20..39: PostgreSQL refused the row (23514)" in refused.err
+        assert "nothing of this chunk was written" in refused.err
+        assert await snapshot(database) == damaged
