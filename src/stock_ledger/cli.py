@@ -1,6 +1,7 @@
-"""`stock-ledger run | migrate | create-topic | produce | verify | gaps | offsets | rejected | stock show | movements`.
+"""`stock-ledger run|migrate|create-topic|produce|verify|repair|gaps|offsets|rejected|stock show|movements`.
 
-Exit codes: 0 success; 1 failure (the message says what went wrong and what to do); 2 bad configuration or usage.
+Exit codes: 0 success; 1 failure (the message says what went wrong and what to do); 2 bad configuration or usage;
+3 (`repair` only) some skipped records are gone from Kafka: reported and recorded in ledger_gaps, not applied.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Operator commands: `offsets show|set` and `rejected list|show|replay`.
+"""Operator commands: `offsets show|set`, `rejected list|show|replay` and `repair` (its engine: repair.py).
 
 Offsets live in PostgreSQL (`consumer_offsets`), so Kafka's own tools (`kafka-consumer-groups --reset-offsets`)
 change nothing here; these commands are the way to look at positions and to move one. They run as the OWNER role
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import re
 import sys
 from collections import Counter
@@ -51,6 +52,7 @@ _LOG_ENV: Final = ("STOCK_LEDGER_LOG_LEVEL", "STOCK_LEDGER_LOG_FORMAT")
 ENVIRONMENT: Final[dict[str, tuple[str, ...]]] = {
     "offsets": (*_KAFKA_ENV, *_DB_ENV, *_LOG_ENV),
     "rejected": (*_DB_ENV, *_LOG_ENV),
+    "repair": (*_KAFKA_ENV, *_DB_ENV, *_LOG_ENV),
 }
 OPERATOR_SKIP: Final = "operator_skip"
 
@@ -118,7 +120,27 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                         help="only rows with this reason_code")
     replay.add_argument("--dry-run", action="store_true", help="report what would be applied, change nothing")
     replay.add_argument("--batch-size", type=int, default=500, help="rows per transaction (default 500)")
-    for command in (show, move, listing, one, replay):
+    fix = _command(
+        sub, "repair", "repair",
+        "re-apply from Kafka the records an earlier version skipped (verify's gaps), exactly once",
+        "Finds the records below each partition's stored offset that are in the topic and in neither\n"
+        "stock_movements nor rejected_movements (what `verify` reports as gaps) and applies them as the worker\n"
+        "would: the same parser, bad records quarantined with their reason and raw bytes, a movement_id already\n"
+        "in the ledger quarantined as duplicate_movement_id, stock_levels updated in the same transaction, one\n"
+        "transaction per --batch-size records, each recorded in ledger_repairs. Never moves consumer_offsets.\n"
+        "Safe while workers run and beside another repair. Ranges recorded in ledger_gaps are left alone.\n"
+        "Records below the log start are gone: reported and recorded as unacknowledged ledger_gaps, never\n"
+        "invented. Run it as the owner role.\n\n"
+        "exit codes: 0 every missing record applied (or quarantined) and nothing gone; 3 some range is gone from\n"
+        "Kafka (reconcile that stock by hand, then `stock-ledger gaps ack`); 1 failure or a partition not\n"
+        "repaired (the message says why); 2 bad usage or configuration.")
+    fix.add_argument("--partition", action="append", default=[], metavar="P[,P...]",
+                     help="repair only these partitions (repeatable, or a comma-separated list)")
+    fix.add_argument("--dry-run", action="store_true",
+                     help="find and count exactly what would be written (each chunk rolled back), change nothing")
+    fix.add_argument("--batch-size", type=int, default=500, help="records per transaction (default 500)")
+    fix.set_defaults(action="")
+    for command in (show, move, listing, one, replay, fix):
         command.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
@@ -130,20 +152,23 @@ def handler(settings: Settings, args: argparse.Namespace) -> Callable[[], Corout
         ("rejected", "list"): lambda: rejected_list(settings, args),
         ("rejected", "show"): lambda: rejected_show(settings, args.id, as_json=args.json),
         ("rejected", "replay"): lambda: rejected_replay(settings, args),
+        ("repair", ""): lambda: repair(settings, args),
     }
     command = table.get((args.command, getattr(args, "action", "")))
     if command is None:
         return None
+
+    name = " ".join(part for part in ("stock-ledger", args.command, args.action) if part)
 
     async def refusals_on_stderr() -> int:
         # stdout holds the command's output (perhaps JSON for a script): a refusal is one line on stderr, exit 1.
         try:
             return await command()
         except OperatorError as exc:
-            print(f"stock-ledger {args.command} {args.action}: {exc}", file=sys.stderr)
+            print(f"{name}: {exc}", file=sys.stderr)
             return 1
         except asyncpg.InsufficientPrivilegeError as exc:
-            print(f"stock-ledger {args.command} {args.action}: {exc}: operator commands run as the owner role "
+            print(f"{name}: {exc}: operator commands run as the owner role "
                   "(the DATABASE_URL of `stock-ledger migrate`)", file=sys.stderr)
             return 1
 
@@ -327,7 +352,7 @@ RETURNING id, acknowledged_by
 
 
 @contextlib.asynccontextmanager
-async def _transaction(conn: asyncpg.Connection, *, commit: bool) -> AsyncIterator[None]:
+async def transaction(conn: asyncpg.Connection, *, commit: bool) -> AsyncIterator[None]:
     """A transaction that a dry run rolls back once its effects are known (and any error rolls back)."""
     transaction = conn.transaction()
     await transaction.start()
@@ -371,7 +396,7 @@ async def offsets_set(settings: Settings, args: argparse.Namespace) -> int:
     conn = await _owner(settings)
     change: dict[str, Any] = {}
     try:
-        async with _transaction(conn, commit=not args.dry_run):
+        async with transaction(conn, commit=not args.dry_run):
             locked = await conn.fetchrow(_LOCK_OFFSET, settings.group_id, settings.topic, args.partition)
             floor = int(await conn.fetchval(_FLOOR, settings.topic, args.partition))
             if target < floor:
@@ -559,7 +584,7 @@ async def rejected_replay(settings: Settings, args: argparse.Namespace) -> int:
         progress = Progress("rejected replay", int(total))
         cursor = 0
         while True:
-            async with _transaction(conn, commit=not args.dry_run):
+            async with transaction(conn, commit=not args.dry_run):
                 rows = await conn.fetch(_CLAIM_REJECTED, cursor, args.reason, args.batch_size)
                 if rows:
                     await _replay_batch(conn, rows, report)
@@ -577,3 +602,28 @@ async def rejected_replay(settings: Settings, args: argparse.Namespace) -> int:
     _emit(report.as_dict(), text, as_json=args.json)
     return 0
 
+
+
+# ------------------------------------------------------------------------------------------------ repair
+
+
+async def repair(settings: Settings, args: argparse.Namespace) -> int:
+    from stock_ledger import repair as fix  # noqa: PLC0415 - it imports this module
+    from stock_ledger.verify import parse_partitions  # noqa: PLC0415
+
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be >= 1")
+    partitions = parse_partitions(args.partition)
+    # stdout carries the report (perhaps JSON for a script); the per-partition log lines go to stderr with the
+    # progress.
+    for log_handler in logging.getLogger().handlers:
+        if isinstance(log_handler, logging.StreamHandler):
+            log_handler.setStream(sys.stderr)
+    conn = await _owner(settings)
+    try:
+        report = await fix.repair(settings, conn, partitions=partitions, dry_run=bool(args.dry_run),
+                                  batch_size=args.batch_size)
+    finally:
+        await conn.close()
+    _emit(report.as_dict(), fix.render(report), as_json=args.json)
+    return report.exit_code

@@ -399,6 +399,11 @@ class Ledger:
         return movements, rejects
 
 
+async def known_movement_ids(conn: asyncpg.Connection, ids: Sequence[Any]) -> set[Any]:
+    """The movement_ids among `ids` already in stock_movements (`_KNOWN_IDS`, as step 2 reads them; for repair)."""
+    return {r[0] for r in await conn.fetch(_KNOWN_IDS, list(ids))}
+
+
 async def add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, ...]], levels: Levels | None = None,
                      ) -> None:
     """Add the movements' qty to stock_levels; `levels`, if given, must be `level_deltas(movements)`."""

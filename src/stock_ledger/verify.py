@@ -34,12 +34,12 @@ from stock_ledger.errors import ConfigError, StockLedgerError
 from stock_ledger.gaps import find_gap
 from stock_ledger.invariants import COORDINATES_UNIQUE, LEVEL_MISMATCHES
 from stock_ledger.progress import Progress
-from stock_ledger.ranges import Found, Runs, clip, describe, difference
+from stock_ledger.ranges import Found, Run, Runs, clip, describe, difference
 from stock_ledger.sink import stored_offsets
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
     import asyncpg
 
@@ -197,18 +197,23 @@ class Window:
         return max(self.start, self.log_start)
 
 
+def missing_runs(topic: Runs, ledger: Runs, w: Window) -> Iterator[Run]:
+    """Every run of records in the topic below the stored offset that is in neither table (`repair` applies them)."""
+    return clip(difference(topic, ledger), 0, (w.stored or 0) - 1)
+
+
 def compare(topic: Runs, ledger: Runs, w: Window) -> tuple[Found, Found]:
     """Missing records (in the topic below the stored offset, in neither table) and phantom rows (in the ledger at
     or above the log start, not in the topic; rows in [end, end_after) belong to records produced during the run)."""
-    missing = Found().extend(clip(difference(topic, ledger), 0, (w.stored or 0) - 1))
+    missing = Found().extend(missing_runs(topic, ledger, w))
     produced_during_run = [(w.end, w.end_after - 1)] if w.end_after > w.end else []
     extra = difference(difference(ledger, topic), produced_during_run)
     phantoms = Found().extend(clip(extra, w.low, 2**63 - 1))
     return missing, phantoms
 
 
-async def _read_partition(consumer: AIOKafkaConsumer, tp: TopicPartition, start: int, end: int,
-                          progress: Progress | None) -> Runs:
+async def read_partition(consumer: AIOKafkaConsumer, tp: TopicPartition, start: int, end: int,
+                         progress: Progress | None) -> Runs:
     """The committed offsets of [start, end) as runs (read_committed: markers and aborted records are skipped)."""
     runs = Runs()
     if end <= start:
@@ -233,7 +238,7 @@ async def _read_partition(consumer: AIOKafkaConsumer, tp: TopicPartition, start:
     return runs
 
 
-async def _ledger_partition(conn: asyncpg.Connection, topic: str, partition: int, start: int) -> tuple[Runs, Found]:
+async def ledger_partition(conn: asyncpg.Connection, topic: str, partition: int, start: int) -> tuple[Runs, Found]:
     rows = [(r[0], r[1], r[2]) async for r in conn.cursor(_BOUNDARIES, topic, partition, start, prefetch=10_000)]
     return ledger_runs(rows)
 
@@ -304,18 +309,23 @@ async def log_checks(conn: asyncpg.Connection, settings: Settings, log_starts: d
     return checks
 
 
+def topic_reader(settings: Settings) -> AIOKafkaConsumer:
+    """A consumer outside the group that reads committed records only, as the worker does (not yet started)."""
+    # fetch_max_wait_ms: the partitions are read one after the other, and the fetch for the next one waits for the
+    # long poll in flight for the previous one (at its end, so the broker holds it this long): 500 ms by default.
+    return AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False,
+                            isolation_level="read_committed", auto_offset_reset="none", fetch_max_wait_ms=20,
+                            max_partition_fetch_bytes=1024 * 1024, fetch_max_bytes=64 * 1024 * 1024,
+                            **kafka_options(settings))
+
+
 async def verify(settings: Settings, expect: int | None = None, show_progress: bool = True,
                  scope: Scope | None = None) -> Report:
     scope = scope or Scope()
-    # fetch_max_wait_ms: the partitions are read one after the other, and the fetch for the next one waits for the
-    # long poll in flight for the previous one (at its end, so the broker holds it this long): 500 ms by default.
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False,
-                                isolation_level="read_committed", auto_offset_reset="none", fetch_max_wait_ms=20,
-                                max_partition_fetch_bytes=1024 * 1024, fetch_max_bytes=64 * 1024 * 1024,
-                                **kafka_options(settings))
+    consumer = topic_reader(settings)
     await consumer.start()
     try:
-        tps = await _topic_partitions(settings, scope)
+        tps = await topic_partitions(settings, scope)
         log_starts = {tp.partition: int(o) for tp, o in (await consumer.beginning_offsets(tps)).items()}
         ends = {tp.partition: int(o) for tp, o in (await consumer.end_offsets(tps)).items()}
         committed = await _committed(settings)
@@ -355,7 +365,7 @@ async def _levels(conn: asyncpg.Connection, scope: Scope) -> Check:
         f"{m['w']}/{m['s']}: levels {m['on_hand']} vs movements {m['total']}" for m in mismatches))
 
 
-async def _topic_partitions(settings: Settings, scope: Scope) -> list[TopicPartition]:
+async def topic_partitions(settings: Settings, scope: Scope) -> list[TopicPartition]:
     numbers = await partitions_of(settings.kafka_bootstrap_servers, settings.topic, options=kafka_options(settings))
     if not numbers:
         raise StockLedgerError(f"topic {settings.topic} does not exist at {settings.kafka_bootstrap_servers}: "
@@ -390,8 +400,8 @@ async def _compare_all(conn: asyncpg.Connection, consumer: AIOKafkaConsumer, set
     for p, w in sorted(windows.items()):
         # Kafka and PostgreSQL work at the same time: the fetch decodes here, the window functions run there.
         topic_runs, (ledger, repeated) = await asyncio.gather(
-            _read_partition(consumer, TopicPartition(settings.topic, p), w.low, w.end, progress),
-            _ledger_partition(conn, settings.topic, p, w.start),
+            read_partition(consumer, TopicPartition(settings.topic, p), w.low, w.end, progress),
+            ledger_partition(conn, settings.topic, p, w.start),
         )
         missing, phantoms = compare(topic_runs, ledger, w)
         results.append(PartitionResult(p, topic_runs.count, missing, repeated, phantoms, topic_runs.last))

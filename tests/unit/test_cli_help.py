@@ -15,9 +15,13 @@ def test_version_and_help_list_the_environment() -> None:
 
     assert run("--version").startswith("stock-ledger ")
     top = run("--help")
-    for command in ("run", "migrate", "verify", "offsets", "rejected"):
+    for command in ("run", "migrate", "verify", "offsets", "rejected", "repair"):
         assert f"  {command}: " in top
     assert "STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS" in run("migrate", "--help")
     assert "DATABASE_URL (the owner role)" in run("offsets", "set", "--help")
     assert "STOCK_LEDGER_GROUP_ID" in run("offsets", "show", "--help")
     assert "DATABASE_URL" in run("rejected", "replay", "--help")
+    fix = run("repair", "--help")
+    assert "DATABASE_URL (the owner role)" in fix
+    assert "KAFKA_BOOTSTRAP_SERVERS" in fix
+    assert "3 some range is gone from" in fix
