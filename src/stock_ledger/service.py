@@ -42,7 +42,7 @@ from stock_ledger.positions import PositionMonitor
 from stock_ledger.rebalance import Rebalance
 from stock_ledger.retry import Abandoned, Retrier
 from stock_ledger.sink import Ledger, Outcome
-from stock_ledger.topics import refuse_compacted
+from stock_ledger.topics import refuse_compacted, watch_compaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -78,6 +78,7 @@ class Worker:
         self._last_progress = time.monotonic()
         self._main: asyncio.Task[None] | None = None
         self._in_flight: asyncio.Task[None] | None = None  # the batch transaction running while the next is built
+        self._compaction: asyncio.Task[None] | None = None  # fails (the worker halts) if compaction is switched on
         # Whether the last fetch brought a tenth of a full batch or more: records queue up, so the next batch is
         # built while this one commits (throughput). Below that we are caught up and fetch after the commit, so
         # what arrived meanwhile goes into the next batch (latency: a small batch built ahead would hold the
@@ -126,6 +127,9 @@ class Worker:
                 refuse_compacted, s.kafka_bootstrap_servers, s.topic, options=kafka_options(s)), "startup.retry")
             monitor.start()
             advisor = asyncio.create_task(self.advice.run(), name="advisory-commit")
+            self._compaction = asyncio.create_task(watch_compaction(
+                s.kafka_bootstrap_servers, s.topic, options=kafka_options(s),
+                interval_seconds=s.invariant_refresh_seconds), name="compaction-watch")
             await self._main_loop()
             advisor.cancel()
             await asyncio.gather(advisor, return_exceptions=True)
@@ -134,9 +138,10 @@ class Worker:
             log.info("worker.abandoned", detail=str(exc))
         finally:
             self.metrics.ready.set(0)
-            if advisor is not None:
-                advisor.cancel()
-                await asyncio.gather(advisor, return_exceptions=True)
+            for task in (advisor, self._compaction):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await monitor.close()
             await self._close_consumer()
             if self._conn is not None:
@@ -196,6 +201,8 @@ class Worker:
     async def _pipeline(self) -> None:
         while not self.stopping.is_set():
             self._last_progress = time.monotonic()
+            if self._compaction is not None and self._compaction.done():
+                self._compaction.result()  # raises: the topic became compacted, nothing more is applied
             if self._in_flight is not None and self._in_flight.done():
                 await self._drain()  # a batch that failed for good stops the worker now, not after the next fetch
             self.claimer.check_fenced_partitions()

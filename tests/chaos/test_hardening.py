@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.admin.records_to_delete import RecordsToDelete
 
 from stock_ledger.produce import produce
@@ -186,6 +187,32 @@ async def test_a_compacted_topic_is_refused_at_start(services: Services, databas
     assert worker.wait(60) == 1
     assert "cleanup.policy=compact" in worker.log_text()
     assert "cleanup.policy=delete" in worker.log_text()
+
+
+async def test_compaction_switched_on_while_running_halts_the_worker(
+    services: Services, database: Env, workers: WorkerPool,
+) -> None:
+    """The topic starts with cleanup.policy=delete, the worker applies what is there, then an operator switches
+    compaction on: the worker halts within its check interval (exit 1, naming the policy and the fix) instead of
+    applying a log that compaction is deleting movements from."""
+    name = f"warehouse.movements.compacted-later-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, 3, 1)])
+        await produce(services.kafka, name, 300, seed=53, show_progress=False)
+        worker = workers.start(STOCK_LEDGER_TOPIC=name, STOCK_LEDGER_INVARIANT_REFRESH_SECONDS="1")
+        await wait_drained(services, database, name, workers.group, 60, pool=workers)
+        assert worker.alive()
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, name, {"cleanup.policy": "compact"})])
+        switched = time.monotonic()
+        assert worker.wait(30) == 1
+    finally:
+        await admin.close()
+    assert time.monotonic() - switched < 30
+    assert "cleanup.policy=compact" in worker.log_text()
+    assert "cleanup.policy=delete" in worker.log_text()
+    await assert_exact(services, database, name, workers.group, rows=300)
 
 
 async def test_a_worker_frozen_inside_copy_cannot_stall_the_new_owner(
