@@ -1,0 +1,334 @@
+"""The database changes under running workers: a planned switchover, a lossy failover, a restore of an earlier state.
+
+Each on real PostgreSQL (the pair of `scripts/postgres.sh ha`, or the shared cluster for the restore), with real
+`stock-ledger run` processes that are never restarted, and each ends exact: every produced coordinate in exactly one
+of stock_movements / rejected_movements, stock_levels equal to the movements, nothing twice, every stored offset at
+the log end. Where the database went back in time, the workers must also say so
+(`stock_ledger_offset_mismatches_total{direction="behind"}` and the `batch.offset_mismatch` error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+from typing import TYPE_CHECKING
+
+import asyncpg
+import pytest
+
+from stock_ledger.config import load_settings
+from stock_ledger.produce import produce
+from tests.helpers import Env, Services, WorkerPool, assert_exact, eventually, stored_offsets, wait_drained
+
+if TYPE_CHECKING:
+    from tests.chaos.conftest import Pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
+
+# A lost session is noticed and a stuck lock given up quickly, so the outage is what the test measures.
+FAST = {"STOCK_LEDGER_SESSION_TIMEOUT_MS": "4000", "STOCK_LEDGER_LOCK_TIMEOUT_MS": "1000",
+        "STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS": "5000"}
+MISMATCHES = "stock_ledger_offset_mismatches_total"
+# Every table a restore puts back (the whole ledger state of time T).
+LEDGER_TABLES = ("stock_movements", "rejected_movements", "stock_levels", "consumer_offsets", "ledger_gaps")
+
+
+async def stored_total(db: Env, group: str, topic: str) -> int:
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        return sum(o or 0 for o in (await stored_offsets(conn, group, topic)).values())
+    finally:
+        await conn.close()
+
+
+def rewinds_seen(pool: WorkerPool) -> tuple[float, list[str]]:
+    """What the workers said about a database behind them: the metric summed, the workers that logged the event."""
+    metric = sum(w.metric(MISMATCHES, {"direction": "behind"}) or 0 for w in pool.started)
+    logged = [w.log.name for w in pool.started if '"batch.offset_mismatch"' in w.log_text()]
+    return metric, logged
+
+
+def assert_never_restarted(pool: WorkerPool, count: int) -> None:
+    assert len(pool.started) == count, f"{len(pool.started)} workers were started, not {count}"
+    assert all(w.alive() for w in pool.started), f"a worker exited:\n{pool.logs_tail()}"
+
+
+def script_result(out: str) -> dict[str, str]:
+    """The `key=value` line that `ha switchover` / `ha failover` print on stdout."""
+    return dict(re.findall(r"(\w+)=(\S+)", out))
+
+
+# ------------------------------------------------------------------------------------------ the scripts themselves
+
+def roles_of(report: str) -> dict[int, str]:
+    """port -> role, from `ha status`."""
+    return {int(line.split()[1]): line.split()[2] for line in report.splitlines() if not line.startswith("pair:")}
+
+
+async def test_the_pair_reports_its_roles_gives_urls_the_worker_accepts_and_switches_over(ha_pair: Pair,
+                                                                                          ha_database: Env) -> None:
+    """The pair the other tests rely on does what its commands say, with no worker involved.
+
+    1. `ha status` after `ha start`: one node primary, the other a standby streaming from it; `pair: healthy`.
+    2. `ha url` / `ha worker-url` are multi-host read-write URLs the worker's configuration accepts, and a session
+       opened with one lands on the primary.
+    3. `ha switchover` swaps the roles: what was committed before it is on the new primary, the old primary streams
+       from it, and the pair is healthy.
+    """
+    code, report = ha_pair.status()
+    assert code == 0, report
+    assert report.endswith("pair: healthy"), report
+    roles = roles_of(report)
+    assert sorted(roles.values()) == ["primary", "standby"], report
+    primary = next(p for p, r in roles.items() if r == "primary")
+    standby = next(p for p, r in roles.items() if r == "standby")
+    assert f"streaming from port {primary}" in report, report
+
+    for url in (ha_pair.owner_url, ha_pair.worker_url):
+        assert url.endswith("@127.0.0.1:5441,127.0.0.1:5442/stock_ledger?target_session_attrs=read-write"), url
+    settings = load_settings({"DATABASE_URL": ha_pair.worker_url, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9092"})
+    assert settings.require_database_url() == ha_pair.worker_url
+    assert await server_port(ha_database.worker_url) == primary
+
+    conn = await asyncpg.connect(ha_database.owner_url)
+    try:
+        await conn.execute("CREATE TABLE probe (id int PRIMARY KEY)")
+        await conn.execute("INSERT INTO probe SELECT generate_series(1, 100)")
+    finally:
+        await conn.close()
+    result = script_result(await asyncio.to_thread(ha_pair.run, "switchover"))
+    assert int(result["port"]) == standby, result
+    assert await server_port(ha_database.worker_url) == standby
+    assert await fetch_one(ha_database.owner_url, "SELECT count(*) FROM probe") == 100
+    code, report = ha_pair.status()
+    assert code == 0, report
+    assert roles_of(report) == {primary: "standby", standby: "primary"}, report
+
+
+async def server_port(url: str) -> int:
+    """The port of the server a session with `url` lands on (asserting it is a primary)."""
+    conn = await asyncpg.connect(url)
+    try:
+        assert await conn.fetchval("SELECT pg_is_in_recovery()") is False
+        return int(await conn.fetchval("SELECT current_setting('port')"))
+    finally:
+        await conn.close()
+
+
+async def fetch_one(url: str, sql: str) -> object:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()
+
+
+async def test_a_lossy_failover_really_loses_the_commits_made_after_the_cut(ha_pair: Pair, ha_database: Env) -> None:
+    """`ha cut` and `ha failover --lossy` do what the lossy tests need, with no worker involved.
+
+    1. Rows committed before `ha cut` reach the standby; rows committed (and acknowledged) after it do not.
+    2. `ha failover --lossy` promotes the standby: the rows from before the cut are there, those committed after it
+       on the old primary are not (commits truly lost), and it reports the WAL it lost.
+    3. `ha status` says degraded (the old primary diverged, left stopped); `ha start` heals it into a healthy pair,
+       the old primary now a standby of the new one.
+    """
+    roles = roles_of(ha_pair.status()[1])
+    primary = next(p for p, r in roles.items() if r == "primary")
+    standby = next(p for p, r in roles.items() if r == "standby")
+    owner = await asyncpg.connect(ha_pair.node_url(primary, ha_database.name))
+    replica = await asyncpg.connect(ha_pair.node_url(standby, ha_database.name))
+    try:
+        await owner.execute("CREATE TABLE probe (id int PRIMARY KEY)")
+        await owner.execute("INSERT INTO probe SELECT generate_series(1, 100)")
+        await eventually(lambda: _count(replica, "SELECT count(*) FROM probe"), 20, "the standby to replay 100 rows")
+        await asyncio.to_thread(ha_pair.run, "cut")
+        for i in range(101, 201):  # one commit each, all acknowledged by the primary
+            await owner.execute("INSERT INTO probe VALUES ($1)", i)
+        await asyncio.sleep(1)
+        assert await replica.fetchval("SELECT count(*) FROM probe") == 100
+    finally:
+        await owner.close()
+        await replica.close()
+
+    result = script_result(await asyncio.to_thread(ha_pair.run, "failover", "--lossy", "--hold", "1"))
+    assert int(result["port"]) == standby, result
+    assert int(result["lost_wal_bytes"]) > 0, result
+    assert await server_port(ha_database.owner_url) == standby
+    assert await fetch_one(ha_database.owner_url, "SELECT count(*) FROM probe WHERE id <= 100") == 100
+    lost = await fetch_one(ha_database.owner_url, "SELECT count(*) FROM probe WHERE id > 100")
+    assert lost == 0, f"{lost} of the 100 rows committed after the cut survived the failover"
+
+    code, report = ha_pair.status()
+    assert code == 1, report
+    assert f"{primary} diverged" in report, report
+    assert "pair: degraded" in report, report
+    await asyncio.to_thread(ha_pair.run, "start")
+    code, report = ha_pair.status()
+    assert code == 0, report
+    assert f"{primary} standby streaming from port {standby}" in report, report
+
+
+async def _count(conn: asyncpg.Connection, sql: str, want: int = 100) -> bool:
+    return bool(await conn.fetchval(sql) == want)
+
+
+# ------------------------------------------------------------------------------------------ with workers running
+
+async def test_planned_switchovers_with_workers_running_lose_nothing(
+    services: Services, ha_pair: Pair, ha_services: Services, ha_database: Env, topic: str, ha_workers: WorkerPool,
+) -> None:
+    """Two workers apply 10,000 movements at 1,000/s through the multi-host URL. Mid-stream the primary is switched
+    over (stopped cleanly, the standby promoted, the old primary re-attached as its standby), the workers write to
+    the new primary, and it is switched back. The workers ride it out without a restart; the ledger is exact, and no
+    worker saw a database behind it (a planned switchover loses no commit)."""
+    group, total = ha_workers.group, 10_000
+    producer = asyncio.create_task(produce(services.kafka, topic, total, rate=1_000, seed=51, show_progress=False))
+    ha_workers.start(**FAST)
+    ha_workers.start(**FAST)
+    await eventually(lambda: _at_least(ha_database, group, topic, 1_000), 60, "1,000 applied", ha_workers)
+    first = script_result(await asyncio.to_thread(ha_pair.run, "switchover"))
+    before = await stored_total(ha_database, group, topic)
+    await eventually(lambda: _at_least(ha_database, group, topic, before + 1_000), 60,
+                     "1,000 more applied on the new primary", ha_workers)
+    second = script_result(await asyncio.to_thread(ha_pair.run, "switchover"))
+    assert first["primary"] != second["primary"], (first, second)
+    assert not producer.done(), "the producer finished before the second switchover: the workers were not under load"
+    await producer
+    await wait_drained(ha_services, ha_database, topic, group, 120, ha_workers)
+    await assert_exact(ha_services, ha_database, topic, group, rows=total, pool=ha_workers)
+    assert_never_restarted(ha_workers, 2)
+    metric, logged = rewinds_seen(ha_workers)
+    assert metric == 0, f"a planned switchover looked like a rewind: {MISMATCHES} = {metric}"
+    assert not logged, f"a planned switchover looked like a rewind: batch.offset_mismatch in {logged}"
+    ha_workers.assert_no_tracebacks()
+    code, report = ha_pair.status()
+    assert code == 0, report
+
+
+async def _at_least(db: Env, group: str, topic: str, n: int) -> bool:
+    try:
+        return await stored_total(db, group, topic) >= n
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return False  # the primary is changing under us
+
+
+async def test_a_lossy_failover_with_workers_running_ends_exact_and_is_reported(
+    services: Services, ha_pair: Pair, ha_services: Services, ha_database: Env, topic: str, ha_workers: WorkerPool,
+) -> None:
+    """The issue's repro. Two workers apply 10,000 movements at 1,000/s through the multi-host URL. The standby stops
+    receiving WAL, the primary keeps committing batches for 3.5 s, then dies (kill -9) and the standby is promoted:
+    the new primary's ledger is seconds behind what the workers committed. The workers keep running (no restart),
+    find the stored offsets behind what they expect, say so (metric and error event), and re-apply the lost range
+    from Kafka: the ledger ends exact.
+
+    Fails on a worker that writes past the rewound offsets: the lost range is then a gap for good."""
+    group, total = ha_workers.group, 10_000
+    producer = asyncio.create_task(produce(services.kafka, topic, total, rate=1_000, seed=52, show_progress=False))
+    ha_workers.start(**FAST)
+    ha_workers.start(**FAST)
+    await eventually(lambda: _at_least(ha_database, group, topic, 1_000), 60, "1,000 applied", ha_workers)
+    result = script_result(await asyncio.to_thread(ha_pair.run, "failover", "--lossy", "--hold", "3.5"))
+    assert int(result["lost_wal_bytes"]) > 0, result
+    assert not producer.done(), "the producer finished before the failover: the old primary was not under load"
+    await producer
+    await wait_drained(ha_services, ha_database, topic, group, 120, ha_workers)
+    await assert_exact(ha_services, ha_database, topic, group, rows=total, pool=ha_workers)
+    assert_never_restarted(ha_workers, 2)
+    metric, logged = rewinds_seen(ha_workers)
+    assert metric > 0, f'no worker counted the rewind ({MISMATCHES}{{direction="behind"}} = {metric})'
+    assert logged, "no worker logged batch.offset_mismatch"
+    ha_workers.assert_no_tracebacks()
+
+
+# ------------------------------------------------------------------------------------------ restore (shared cluster)
+
+Snapshot = dict[str, tuple[list[str], bytes]]
+
+
+async def take_snapshot(owner_url: str) -> tuple[Snapshot, dict[int, int], int]:
+    """The ledger's rows, levels, gaps and offsets of one instant (one REPEATABLE READ snapshot, binary COPY of every
+    column that is not generated), the epochs it holds and the sum of its stored offsets."""
+    conn = await asyncpg.connect(owner_url)
+    snapshot: Snapshot = {}
+    try:
+        async with conn.transaction(isolation="repeatable_read", readonly=True):
+            for table in LEDGER_TABLES:
+                columns = [r[0] for r in await conn.fetch(
+                    "SELECT column_name FROM information_schema.columns WHERE table_schema = 'public' "
+                    "AND table_name = $1 AND is_generated = 'NEVER' ORDER BY ordinal_position", table)]
+                out = io.BytesIO()
+                await conn.copy_from_table(table, columns=columns, output=out, format="binary")
+                snapshot[table] = (columns, out.getvalue())
+            epochs = {r[0]: r[1] for r in await conn.fetch("SELECT partition, epoch FROM consumer_offsets")}
+            stored = int(await conn.fetchval("SELECT coalesce(sum(next_offset), 0) FROM consumer_offsets"))
+    finally:
+        await conn.close()
+    return snapshot, epochs, stored
+
+
+async def restore(owner_url: str, snapshot: Snapshot) -> dict[int, int]:
+    """Put the snapshot back in ONE transaction (TRUNCATE and reload, as the owner); returns the epochs the ledger
+    held just before, read under the exclusive lock."""
+    conn = await asyncpg.connect(owner_url)
+    try:
+        async with conn.transaction():
+            await conn.execute(f"LOCK TABLE {', '.join(LEDGER_TABLES)} IN ACCESS EXCLUSIVE MODE")
+            epochs = {r[0]: r[1] for r in await conn.fetch("SELECT partition, epoch FROM consumer_offsets")}
+            await conn.execute(f"TRUNCATE {', '.join(LEDGER_TABLES)}")
+            for table, (columns, data) in snapshot.items():
+                await conn.copy_to_table(table, source=io.BytesIO(data), columns=columns, format="binary")
+    finally:
+        await conn.close()
+    return epochs
+
+
+async def settled(db: Env, group: str, topic: str) -> dict[int, int] | None:
+    """The epochs of all 24 partitions once claimed and unchanged for 2 s (the group has stopped rebalancing)."""
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        query = "SELECT partition, epoch FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
+        first = {r[0]: r[1] for r in await conn.fetch(query, group, topic)}
+        await asyncio.sleep(2)
+        again = {r[0]: r[1] for r in await conn.fetch(query, group, topic)}
+    finally:
+        await conn.close()
+    return again if len(again) == 24 and first == again else None
+
+
+async def test_a_restore_of_an_earlier_state_with_workers_running_ends_exact_and_is_reported(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """Two workers apply 9,000 movements at 600/s. At T the ledger (rows, levels, gaps, offsets) is copied in one
+    snapshot; 1,500 movements later it is put back in one transaction, same database, same epochs: the database
+    went back in time under workers that hold their partitions. They keep running (no restart), find the stored
+    offsets behind what they expect, say so (metric and error event), and re-apply from Kafka: the ledger ends exact.
+
+    Fails on a worker that writes past the restored offsets: what was applied after T is then a gap for good."""
+    group, total = workers.group, 9_000
+    workers.start(**FAST)
+    workers.start(**FAST)
+    epochs: dict[int, int] = {}
+
+    async def group_settled() -> bool:
+        nonlocal epochs
+        epochs = await settled(database, group, topic) or {}
+        return bool(epochs)
+
+    producer = asyncio.create_task(produce(services.kafka, topic, total, rate=600, seed=53, show_progress=False))
+    await eventually(group_settled, 60, "both workers to hold their partitions", workers)
+    await eventually(lambda: _at_least(database, group, topic, 1_000), 60, "1,000 applied", workers)
+    snapshot, at_t, stored_at_t = await take_snapshot(database.owner_url)
+    await eventually(lambda: _at_least(database, group, topic, stored_at_t + 1_500), 60, "1,500 more applied",
+                     workers)
+    before_restore = await restore(database.owner_url, snapshot)
+    assert before_restore == at_t == epochs, "the group rebalanced between T and the restore: not the same epochs"
+    assert not producer.done(), "the producer finished before the restore: the workers were not under load"
+    await producer
+    await wait_drained(services, database, topic, group, 120, workers)
+    await assert_exact(services, database, topic, group, rows=total, pool=workers)
+    assert_never_restarted(workers, 2)
+    metric, logged = rewinds_seen(workers)
+    assert metric > 0, f'no worker counted the rewind ({MISMATCHES}{{direction="behind"}} = {metric})'
+    assert logged, "no worker logged batch.offset_mismatch"
+    workers.assert_no_tracebacks()
