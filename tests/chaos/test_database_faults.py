@@ -19,7 +19,16 @@ import pytest
 
 from stock_ledger.config import load_settings
 from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, assert_exact, eventually, stored_offsets, wait_drained
+from tests.helpers import (
+    Env,
+    Services,
+    WorkerPool,
+    assert_exact,
+    eventually,
+    ledger_state,
+    stored_offsets,
+    wait_drained,
+)
 
 if TYPE_CHECKING:
     from tests.chaos.conftest import Pair
@@ -49,6 +58,14 @@ def rewinds_seen(pool: WorkerPool) -> tuple[float, list[str]]:
     return metric, logged
 
 
+async def print_holdings(services: Services, db: Env, topic: str, group: str, what: str) -> None:
+    """One line on stdout (shown with a failure): how much of the topic the ledger holds."""
+    s = await ledger_state(services, db, topic, group)
+    missing = s.produced - s.rows - s.rejected
+    print(f"{what}: {s.produced} produced, {s.rows} applied, {s.rejected} rejected, {missing} in neither table, "
+          f"{len(s.gaps)} partitions with a gap")
+
+
 def assert_never_restarted(pool: WorkerPool, count: int) -> None:
     assert len(pool.started) == count, f"{len(pool.started)} workers were started, not {count}"
     assert all(w.alive() for w in pool.started), f"a worker exited:\n{pool.logs_tail()}"
@@ -57,6 +74,37 @@ def assert_never_restarted(pool: WorkerPool, count: int) -> None:
 def script_result(out: str) -> dict[str, str]:
     """The `key=value` line that `ha switchover` / `ha failover` print on stdout."""
     return dict(re.findall(r"(\w+)=(\S+)", out))
+
+
+async def settled(db: Env, group: str, topic: str, members: int) -> dict[int, int] | None:
+    """The epochs of all 24 partitions once claimed by `members` workers and unchanged for 2 s (the group has stopped
+    rebalancing), else None."""
+    query = "SELECT partition, epoch, member_id FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
+    try:
+        conn = await asyncpg.connect(db.owner_url)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return None
+    try:
+        first = await conn.fetch(query, group, topic)
+        await asyncio.sleep(2)
+        again = await conn.fetch(query, group, topic)
+    finally:
+        await conn.close()
+    stable = len(again) == 24 and len({r[2] for r in again}) == members and first == again
+    return {r[0]: r[1] for r in again} if stable else None
+
+
+async def wait_settled(db: Env, group: str, topic: str, pool: WorkerPool) -> dict[int, int]:
+    """Until the pool's workers hold every partition and no rebalance is under way: the epochs."""
+    epochs: dict[int, int] = {}
+
+    async def done() -> bool:
+        nonlocal epochs
+        epochs = await settled(db, group, topic, len(pool.started)) or {}
+        return bool(epochs)
+
+    await eventually(done, 60, f"{len(pool.started)} workers to hold the 24 partitions", pool)
+    return epochs
 
 
 # ------------------------------------------------------------------------------------------ the scripts themselves
@@ -178,11 +226,11 @@ async def _count(conn: asyncpg.Connection, sql: str, want: int = 100) -> bool:
 async def test_planned_switchovers_with_workers_running_lose_nothing(
     services: Services, ha_pair: Pair, ha_services: Services, ha_database: Env, topic: str, ha_workers: WorkerPool,
 ) -> None:
-    """Two workers apply 10,000 movements at 1,000/s through the multi-host URL. Mid-stream the primary is switched
+    """Two workers apply 16,000 movements at 1,000/s through the multi-host URL. Mid-stream the primary is switched
     over (stopped cleanly, the standby promoted, the old primary re-attached as its standby), the workers write to
     the new primary, and it is switched back. The workers ride it out without a restart; the ledger is exact, and no
     worker saw a database behind it (a planned switchover loses no commit)."""
-    group, total = ha_workers.group, 10_000
+    group, total = ha_workers.group, 16_000
     producer = asyncio.create_task(produce(services.kafka, topic, total, rate=1_000, seed=51, show_progress=False))
     ha_workers.start(**FAST)
     ha_workers.start(**FAST)
@@ -196,6 +244,7 @@ async def test_planned_switchovers_with_workers_running_lose_nothing(
     assert not producer.done(), "the producer finished before the second switchover: the workers were not under load"
     await producer
     await wait_drained(ha_services, ha_database, topic, group, 120, ha_workers)
+    await print_holdings(ha_services, ha_database, topic, group, "switchover")
     await assert_exact(ha_services, ha_database, topic, group, rows=total, pool=ha_workers)
     assert_never_restarted(ha_workers, 2)
     metric, logged = rewinds_seen(ha_workers)
@@ -204,6 +253,15 @@ async def test_planned_switchovers_with_workers_running_lose_nothing(
     ha_workers.assert_no_tracebacks()
     code, report = ha_pair.status()
     assert code == 0, report
+
+
+async def _epochs_are(url: str, group: str, epochs: dict[int, int]) -> bool:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT partition, epoch FROM consumer_offsets WHERE group_id = $1", group)
+    finally:
+        await conn.close()
+    return {r[0]: r[1] for r in rows} == epochs
 
 
 async def _at_least(db: Env, group: str, topic: str, n: int) -> bool:
@@ -216,23 +274,31 @@ async def _at_least(db: Env, group: str, topic: str, n: int) -> bool:
 async def test_a_lossy_failover_with_workers_running_ends_exact_and_is_reported(
     services: Services, ha_pair: Pair, ha_services: Services, ha_database: Env, topic: str, ha_workers: WorkerPool,
 ) -> None:
-    """The issue's repro. Two workers apply 10,000 movements at 1,000/s through the multi-host URL. The standby stops
+    """The issue's repro. Two workers apply 14,000 movements at 1,000/s through the multi-host URL. The standby stops
     receiving WAL, the primary keeps committing batches for 3.5 s, then dies (kill -9) and the standby is promoted:
     the new primary's ledger is seconds behind what the workers committed. The workers keep running (no restart),
     find the stored offsets behind what they expect, say so (metric and error event), and re-apply the lost range
     from Kafka: the ledger ends exact.
 
     Fails on a worker that writes past the rewound offsets: the lost range is then a gap for good."""
-    group, total = ha_workers.group, 10_000
+    group, total = ha_workers.group, 14_000
     producer = asyncio.create_task(produce(services.kafka, topic, total, rate=1_000, seed=52, show_progress=False))
     ha_workers.start(**FAST)
     ha_workers.start(**FAST)
-    await eventually(lambda: _at_least(ha_database, group, topic, 1_000), 60, "1,000 applied", ha_workers)
+    # The claims reach the standby before the cut: what the failover loses is batches, under the same epochs.
+    epochs = await wait_settled(ha_database, group, topic, ha_workers)
+    standby = next(p for p, r in roles_of(ha_pair.status()[1]).items() if r == "standby")
+    replica = ha_pair.node_url(standby, ha_database.name)
+    await eventually(lambda: _epochs_are(replica, group, epochs), 20, "the claims on the standby", ha_workers)
+    settled_at = await stored_total(ha_database, group, topic)
+    await eventually(lambda: _at_least(ha_database, group, topic, settled_at + 1_000), 60, "1,000 applied",
+                     ha_workers)
     result = script_result(await asyncio.to_thread(ha_pair.run, "failover", "--lossy", "--hold", "3.5"))
     assert int(result["lost_wal_bytes"]) > 0, result
     assert not producer.done(), "the producer finished before the failover: the old primary was not under load"
     await producer
     await wait_drained(ha_services, ha_database, topic, group, 120, ha_workers)
+    await print_holdings(ha_services, ha_database, topic, group, "lossy failover")
     await assert_exact(ha_services, ha_database, topic, group, rows=total, pool=ha_workers)
     assert_never_restarted(ha_workers, 2)
     metric, logged = rewinds_seen(ha_workers)
@@ -283,41 +349,22 @@ async def restore(owner_url: str, snapshot: Snapshot) -> dict[int, int]:
     return epochs
 
 
-async def settled(db: Env, group: str, topic: str) -> dict[int, int] | None:
-    """The epochs of all 24 partitions once claimed and unchanged for 2 s (the group has stopped rebalancing)."""
-    conn = await asyncpg.connect(db.owner_url)
-    try:
-        query = "SELECT partition, epoch FROM consumer_offsets WHERE group_id = $1 AND topic = $2"
-        first = {r[0]: r[1] for r in await conn.fetch(query, group, topic)}
-        await asyncio.sleep(2)
-        again = {r[0]: r[1] for r in await conn.fetch(query, group, topic)}
-    finally:
-        await conn.close()
-    return again if len(again) == 24 and first == again else None
-
-
 async def test_a_restore_of_an_earlier_state_with_workers_running_ends_exact_and_is_reported(
     services: Services, database: Env, topic: str, workers: WorkerPool,
 ) -> None:
-    """Two workers apply 9,000 movements at 600/s. At T the ledger (rows, levels, gaps, offsets) is copied in one
+    """Two workers apply 12,000 movements at 600/s. At T the ledger (rows, levels, gaps, offsets) is copied in one
     snapshot; 1,500 movements later it is put back in one transaction, same database, same epochs: the database
     went back in time under workers that hold their partitions. They keep running (no restart), find the stored
     offsets behind what they expect, say so (metric and error event), and re-apply from Kafka: the ledger ends exact.
 
     Fails on a worker that writes past the restored offsets: what was applied after T is then a gap for good."""
-    group, total = workers.group, 9_000
+    group, total = workers.group, 12_000
     workers.start(**FAST)
     workers.start(**FAST)
-    epochs: dict[int, int] = {}
-
-    async def group_settled() -> bool:
-        nonlocal epochs
-        epochs = await settled(database, group, topic) or {}
-        return bool(epochs)
-
     producer = asyncio.create_task(produce(services.kafka, topic, total, rate=600, seed=53, show_progress=False))
-    await eventually(group_settled, 60, "both workers to hold their partitions", workers)
-    await eventually(lambda: _at_least(database, group, topic, 1_000), 60, "1,000 applied", workers)
+    epochs = await wait_settled(database, group, topic, workers)
+    settled_at = await stored_total(database, group, topic)
+    await eventually(lambda: _at_least(database, group, topic, settled_at + 1_000), 60, "1,000 applied", workers)
     snapshot, at_t, stored_at_t = await take_snapshot(database.owner_url)
     await eventually(lambda: _at_least(database, group, topic, stored_at_t + 1_500), 60, "1,500 more applied",
                      workers)
@@ -326,6 +373,7 @@ async def test_a_restore_of_an_earlier_state_with_workers_running_ends_exact_and
     assert not producer.done(), "the producer finished before the restore: the workers were not under load"
     await producer
     await wait_drained(services, database, topic, group, 120, workers)
+    await print_holdings(services, database, topic, group, "restore")
     await assert_exact(services, database, topic, group, rows=total, pool=workers)
     assert_never_restarted(workers, 2)
     metric, logged = rewinds_seen(workers)
