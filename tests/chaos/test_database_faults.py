@@ -26,6 +26,7 @@ from tests.helpers import (
     Services,
     WorkerPool,
     assert_exact,
+    end_offsets,
     eventually,
     ledger_state,
     stored_offsets,
@@ -357,6 +358,57 @@ async def test_a_lossy_failover_with_workers_running_ends_exact_and_is_reported(
     total = await load.finish(after=3)
     await wait_drained(ha_services, ha_database, topic, group, 120, ha_workers)
     await print_holdings(ha_services, ha_database, topic, group, "lossy failover")
+    await assert_exact(ha_services, ha_database, topic, group, rows=total, pool=ha_workers)
+    assert_never_restarted(ha_workers, 2)
+    metric, logged = rewinds_seen(ha_workers)
+    assert metric > 0, f'no worker counted the rewind ({MISMATCHES}{{direction="behind"}} = {metric})'
+    assert logged, "no worker logged batch.offset_mismatch"
+    ha_workers.assert_no_tracebacks()
+
+
+async def _drained(services: Services, db: Env, topic: str, group: str, pool: WorkerPool) -> bool:
+    """Every stored offset at its log end; a worker that exited fails at once (no restart is part of the claim)."""
+    assert all(w.alive() for w in pool.started), f"a worker exited:\n{pool.logs_tail()}"
+    ends = await end_offsets(services.kafka, topic)
+    try:
+        conn = await asyncpg.connect(db.owner_url)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return False
+    try:
+        stored = await stored_offsets(conn, group, topic)
+    finally:
+        await conn.close()
+    return all((stored.get(p) or 0) >= e for p, e in ends.items())
+
+
+async def test_a_lossy_failover_that_also_loses_a_rebalance_ends_exact_and_is_reported(
+    services: Services, ha_pair: Pair, ha_services: Services, ha_database: Env, topic: str, ha_workers: WorkerPool,
+    steady: Callable[[str, str, int, int], SteadyLoad],
+) -> None:
+    """Beyond the issue's repro: the rewind crosses a claim. One worker applies a steady 1,000/s; replication is cut;
+    a second worker joins, so the group rebalances and every partition is claimed again (new epochs), on the old
+    primary only; it commits for a while, dies (kill -9), and the standby is promoted. The new primary holds older
+    epochs AND older offsets than the workers: not another worker's claim (epochs never go back by themselves) but
+    the database gone back in time. The workers keep running (no restart), say so, re-apply from Kafka: exact.
+
+    Fails on a worker that reads the older epoch as a fence by someone else and exits, or writes past the rewind."""
+    group = ha_workers.group
+    load = steady(services.kafka, topic, 1_000, 54)
+    ha_workers.start(**FAST)
+    epochs = await wait_settled(ha_database, group, topic, ha_workers)
+    settled_at = await stored_total(ha_database, group, topic)
+    await eventually(lambda: _at_least(ha_database, group, topic, settled_at + 1_000), 60, "1,000 applied",
+                     ha_workers)
+    await asyncio.to_thread(ha_pair.run, "cut")
+    ha_workers.start(**FAST)
+    moved = await wait_settled(ha_database, group, topic, ha_workers)
+    assert all(moved[p] > e for p, e in epochs.items()), "the second worker's claims did not bump every epoch"
+    result = script_result(await asyncio.to_thread(ha_pair.run, "failover", "--lossy", "--hold", "2"))
+    assert int(result["lost_wal_bytes"]) > 0, result
+    assert load.running(), "the producer stopped before the failover: the old primary was not under load"
+    total = await load.finish(after=3)
+    await eventually(lambda: _drained(ha_services, ha_database, topic, group, ha_workers), 120, "drained", ha_workers)
+    await print_holdings(ha_services, ha_database, topic, group, "lossy failover across a rebalance")
     await assert_exact(ha_services, ha_database, topic, group, rows=total, pool=ha_workers)
     assert_never_restarted(ha_workers, 2)
     metric, logged = rewinds_seen(ha_workers)
