@@ -44,8 +44,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
 FAST = {"STOCK_LEDGER_SESSION_TIMEOUT_MS": "4000", "STOCK_LEDGER_LOCK_TIMEOUT_MS": "1000",
         "STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS": "5000"}
 MISMATCHES = "stock_ledger_offset_mismatches_total"
-# Every table a restore puts back (the whole ledger state of time T).
-LEDGER_TABLES = ("stock_movements", "rejected_movements", "stock_levels", "consumer_offsets", "ledger_gaps")
+# A restore puts back every table but the migrations' own bookkeeping: the whole ledger state of time T, whatever
+# tables the migrations have added (rows, quarantine, levels, offsets, gaps, audit trails).
+_LEDGER_TABLES = """SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'schema_migrations'
+    ORDER BY tablename"""
 
 
 async def stored_total(db: Env, group: str, topic: str) -> int:
@@ -60,6 +62,7 @@ def rewinds_seen(pool: WorkerPool) -> tuple[float, list[str]]:
     """What the workers said about a database behind them: the metric summed, the workers that logged the event."""
     metric = sum(w.metric(MISMATCHES, {"direction": "behind"}) or 0 for w in pool.started)
     logged = [w.log.name for w in pool.started if '"batch.offset_mismatch"' in w.log_text()]
+    print(f"rewinds seen: {MISMATCHES}{{direction=behind}} summed {metric}; batch.offset_mismatch logged by {logged}")
     return metric, logged
 
 
@@ -429,7 +432,9 @@ async def take_snapshot(owner_url: str) -> tuple[Snapshot, dict[int, int], int]:
     snapshot: Snapshot = {}
     try:
         async with conn.transaction(isolation="repeatable_read", readonly=True):
-            for table in LEDGER_TABLES:
+            tables = [r[0] for r in await conn.fetch(_LEDGER_TABLES)]
+            assert {"stock_movements", "rejected_movements", "stock_levels", "consumer_offsets"} <= set(tables)
+            for table in tables:
                 columns = [r[0] for r in await conn.fetch(
                     "SELECT column_name FROM information_schema.columns WHERE table_schema = 'public' "
                     "AND table_name = $1 AND is_generated = 'NEVER' ORDER BY ordinal_position", table)]
@@ -449,9 +454,10 @@ async def restore(owner_url: str, snapshot: Snapshot) -> dict[int, int]:
     conn = await asyncpg.connect(owner_url)
     try:
         async with conn.transaction():
-            await conn.execute(f"LOCK TABLE {', '.join(LEDGER_TABLES)} IN ACCESS EXCLUSIVE MODE")
+            tables = ", ".join(snapshot)
+            await conn.execute(f"LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE")
             epochs = {r[0]: r[1] for r in await conn.fetch("SELECT partition, epoch FROM consumer_offsets")}
-            await conn.execute(f"TRUNCATE {', '.join(LEDGER_TABLES)}")
+            await conn.execute(f"TRUNCATE {tables}")
             for table, (columns, data) in snapshot.items():
                 await conn.copy_to_table(table, source=io.BytesIO(data), columns=columns, format="binary")
     finally:
