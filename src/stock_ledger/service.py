@@ -75,7 +75,7 @@ class Worker:
                                functools.partial(connect_worker, settings))
         self._conn: asyncpg.Connection | None = None
         self._db_ok = False
-        self._last_progress = time.monotonic()
+        self._last_progress = self._idle_checked = time.monotonic()
         self._main: asyncio.Task[None] | None = None
         self._in_flight: asyncio.Task[None] | None = None  # the batch transaction running while the next is built
         self._compaction: asyncio.Task[None] | None = None  # fails (the worker halts) if compaction is switched on
@@ -216,6 +216,7 @@ class Worker:
             fetched = await self._fetch()
             fetched_at = time.time()
             if not fetched:
+                await self._check_while_idle()
                 continue
             self._behind = sum(map(len, fetched.values())) >= self.settings.batch_max_records // 10
             if self.ledger.faults.reached("after_read"):
@@ -368,6 +369,23 @@ class Worker:
             self._conn = await self._connect()
         self._db_ok = True
         return self._conn
+
+    async def _check_while_idle(self) -> None:
+        """With no records, no batch guard looks at the stored offsets: a failover or restore while the topic is
+        quiet would leave its lost range missing until each partition's next record. So every
+        STOCK_LEDGER_POSITION_REFRESH_SECONDS of idleness the session is checked (a dead one reconnects, and a new
+        session checks itself) and the stored offsets compared with ours: one small query."""
+        now = time.monotonic()
+        if now - self._idle_checked < self.settings.position_refresh_seconds or self._in_flight is not None:
+            return
+        self._idle_checked = now
+        await self._retry("checking the stored offsets", self._check_offsets, "db.retry")
+
+    async def _check_offsets(self) -> None:
+        fresh = self._conn is None or self._conn.is_closed()
+        conn = await self._session()
+        if not fresh:  # a new session has just checked itself
+            await self.claimer.check_offsets(conn)
 
     async def _connect(self) -> asyncpg.Connection:
         """A new session, checked before it writes (claims.Claimer.check_session)."""

@@ -497,3 +497,50 @@ async def test_a_restore_of_an_earlier_state_with_workers_running_ends_exact_and
     assert metric > 0, f'no worker counted the rewind ({MISMATCHES}{{direction="behind"}} = {metric})'
     assert logged, "no worker logged batch.offset_mismatch"
     workers.assert_no_tracebacks()
+
+
+async def test_a_lossy_failover_after_the_load_stopped_is_healed_without_another_record(
+    services: Services, ha_pair: Pair, ha_services: Services, ha_database: Env, topic: str, ha_workers: WorkerPool,
+) -> None:
+    """No record arrives after the failover: a guard that only checks when a batch commits would leave the lost
+    range missing until each partition's next record (for an idle SKU range, for days). A worker's new session
+    compares the stored offsets with its own before anything else and claims the rewound partitions again, so the
+    range is re-applied at once, with nothing more produced.
+
+    Schedule: 2,000 movements applied and replicated; replication cut; 1,500 more applied on the primary only;
+    the producer stops; the primary dies and the standby is promoted."""
+    group = ha_workers.group
+    await produce(services.kafka, topic, 2_000, seed=61, show_progress=False)
+    ha_workers.start(**FAST)
+    ha_workers.start(**FAST)
+    epochs = await wait_settled(ha_database, group, topic, ha_workers)
+    await wait_drained(ha_services, ha_database, topic, group, 60, ha_workers)
+    standby = next(p for p, r in roles_of(ha_pair.status()[1]).items() if r == "standby")
+    replica = ha_pair.node_url(standby, ha_database.name)
+    await eventually(lambda: _epochs_are(replica, group, epochs), 20, "the claims on the standby", ha_workers)
+    await eventually(lambda: _at_least_on(replica, group, topic, 2_000), 20, "2,000 on the standby", ha_workers)
+    await asyncio.to_thread(ha_pair.run, "cut")
+    await produce(services.kafka, topic, 1_500, seed=62, show_progress=False)
+    await wait_drained(ha_services, ha_database, topic, group, 60, ha_workers)
+    result = script_result(await asyncio.to_thread(ha_pair.run, "failover", "--lossy", "--hold", "0.5"))
+    assert int(result["lost_wal_bytes"]) > 0, result
+    await wait_drained(ha_services, ha_database, topic, group, 60, ha_workers)
+    await assert_exact(ha_services, ha_database, topic, group, rows=3_500, pool=ha_workers)
+    assert_never_restarted(ha_workers, 2)
+    metric, _ = rewinds_seen(ha_workers)
+    assert metric > 0, f'no worker counted the rewind ({MISMATCHES}{{direction="behind"}} = {metric})'
+    assert any('"found_by": "session_check"' in w.log_text() for w in ha_workers.started), \
+        "the rewind was not found by a new session's check"
+    ha_workers.assert_no_tracebacks()
+
+
+async def _at_least_on(url: str, group: str, topic: str, n: int) -> bool:
+    try:
+        conn = await asyncpg.connect(url)
+    except (OSError, asyncpg.PostgresError):
+        return False
+    try:
+        return int(await conn.fetchval("SELECT coalesce(sum(next_offset), 0) FROM consumer_offsets "
+                                       "WHERE group_id = $1 AND topic = $2", group, topic)) >= n
+    finally:
+        await conn.close()
