@@ -30,10 +30,9 @@ from scripts.localservices import (
     worker_env,
 )
 
-
 # A claim made by a test stores offset 0 where nothing is stored yet, as the worker's claim stores the reset
 # policy's position (STOCK_LEDGER_AUTO_OFFSET_RESET=earliest on a log that starts at 0).
-FROM_ZERO: Final = {p: 0 for p in range(64)}
+FROM_ZERO: Final = dict.fromkeys(range(64), 0)
 
 
 @dataclass(frozen=True)

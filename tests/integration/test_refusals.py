@@ -167,7 +167,8 @@ async def test_our_own_uniqueness_backstops_are_not_refusals(conn: asyncpg.Conne
     with pytest.raises(CoordinateConflictError):
         await ledger.apply(conn, batch)
     state = await ledger_of(database)
-    assert (len(state["applied"]), state["rejected"], state["offsets"]) == (1, {}, {0: 0})  # not moved from the claimed start
+    # The offset not moved from the claimed start.
+    assert (len(state["applied"]), state["rejected"], state["offsets"]) == (1, {}, {0: 0})
 
 
 async def test_a_unique_index_someone_added_is_a_refusal_not_a_crash(conn: asyncpg.Connection, database: Env) -> None:
