@@ -14,7 +14,8 @@
 # variables), which PgBouncer also logs in to PostgreSQL with (SCRAM, as pg_hba.conf asks). Why not the SCRAM secrets
 # from pg_authid: PgBouncer can log in with a client's SCRAM proof only while the auth_file holds the server's exact
 # secret, and every `ALTER ROLE ... PASSWORD` (the test fixtures run one per session) makes a new salt, after which
-# every new server connection fails until the file is re-read. The file is readable by its owner only.
+# every new server connection fails ("password authentication failed"; seen here, and a reload did not clear it: a
+# restart did). The file is readable by its owner only.
 # PgBouncer refuses to run as root: as root it runs as the postgres user, its files in /var/lib/postgresql.
 set -euo pipefail
 
