@@ -270,13 +270,14 @@ def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 # Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write. No JIT: on a
 # 20M-movement ledger it spent 1.5-2.4 s compiling each 4-9 s scan, and the scans took as long without it
 # (scripts/bench_signals.py explain, README "Warehouse signals"): CPU for nothing on a shared server.
-CLI_SESSION: Final = {"application_name": "stock-ledger-cli", "default_transaction_read_only": "on", "jit": "off"}
+# SET after connecting, not sent as startup parameters (PgBouncer refuses those: clients.connect_database).
+CLI_SESSION: Final = {"default_transaction_read_only": "on", "jit": "off"}
 
 
 async def _read_only(settings: Settings) -> asyncpg.Connection:
-    from stock_ledger.clients import check_sslmode  # noqa: PLC0415
+    from stock_ledger.clients import connect_database  # noqa: PLC0415
 
-    return await asyncpg.connect(check_sslmode(settings), server_settings=CLI_SESSION)
+    return await connect_database(settings, application_name="stock-ledger-cli", session=CLI_SESSION)
 
 
 async def _say_when_slow(after: float) -> None:

@@ -18,6 +18,7 @@ from typing import Final
 import asyncpg
 import structlog
 
+from stock_ledger.clients import refused_startup_parameter
 from stock_ledger.errors import ConfigError, LedgerIntegrityError, StockLedgerError
 
 log = structlog.get_logger(__name__)
@@ -96,6 +97,9 @@ async def _connect(database_url: str, options: MigrateOptions, started: float) -
         except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError):
             raise
         except _DB_NOT_UP as exc:
+            refused = refused_startup_parameter(exc)
+            if refused is not None:
+                raise refused from None
             attempt += 1
             waited = time.monotonic() - started
             if waited > options.deadline_seconds:

@@ -28,6 +28,7 @@ from stock_ledger.batch import Batch, BatchBuilder
 from stock_ledger.claims import Claimer
 from stock_ledger.clients import (
     check_kafka,
+    connect_database,
     connect_worker,
     kafka_options,
     make_consumer,
@@ -41,6 +42,7 @@ from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
 from stock_ledger.rebalance import Rebalance
 from stock_ledger.retry import Abandoned, Retrier
+from stock_ledger.servers import refuse_transaction_pooling
 from stock_ledger.sink import Ledger, Outcome
 from stock_ledger.topics import refuse_compacted, watch_compaction
 
@@ -116,6 +118,11 @@ class Worker:
         monitor = PositionMonitor(s, self.metrics, functools.partial(connect_worker, s))
         advisor: asyncio.Task[None] | None = None
         try:
+            # Before any session of ours prepares a named statement a shared server connection would keep.
+            await self._retry("check how PostgreSQL sessions are pooled", functools.partial(
+                refuse_transaction_pooling, functools.partial(
+                    connect_database, s, application_name="stock-ledger-pool-check", statement_cache_size=0)),
+                "startup.retry")
             self._conn = await self._retry("connect to PostgreSQL", self._connect, "startup.retry")
             await check_schema(self._conn)
             self._db_ok = True
