@@ -69,8 +69,7 @@ class Worker:
         self.consumer = make_consumer(settings)
         self._batch_lock = asyncio.Lock()
         self.consumer.subscribe([settings.topic], listener=Rebalance(
-            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000,
-            self._update_ready))
+            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000))
         self.claimer = Claimer(settings, self.ledger, self.assignment, self.consumer, self.metrics,
                                functools.partial(connect_worker, settings))
         self._conn: asyncpg.Connection | None = None
@@ -87,6 +86,9 @@ class Worker:
         self._behind = False
         self.advice = KafkaAdvice(self.consumer, settings.topic)
         self._retry = Retrier(settings.retry_deadline_seconds, self.stopping, self._on_fault)
+        # Computed at scrape time from what /readyz answers: it cannot disagree with it (a gauge set on some
+        # transitions stayed 0 after the database came back while /readyz said 200).
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready()[0] else 0.0)
 
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT (see `handle_exit`); 0 on a requested stop."""
@@ -137,7 +139,6 @@ class Worker:
         except Abandoned as exc:
             log.info("worker.abandoned", detail=str(exc))
         finally:
-            self.metrics.ready.set(0)
             for task in (advisor, self._compaction):
                 if task is not None:
                     task.cancel()
@@ -177,12 +178,13 @@ class Worker:
         return True, f"main loop progressed {idle:.1f}s ago"
 
     async def readiness(self) -> tuple[bool, str]:
+        return self.ready()
+
+    def ready(self) -> tuple[bool, str]:
+        """/readyz and stock_ledger_ready: connected, a member, every assigned partition claimed."""
         if not self._db_ok:
             return False, "PostgreSQL not connected"
         return self.assignment.readiness()
-
-    def _update_ready(self) -> None:
-        self.metrics.ready.set(1 if self._db_ok and self.assignment.readiness()[0] else 0)
 
     # ---------------------------------------------------------------- main loop
 
@@ -209,7 +211,6 @@ class Worker:
             if self.assignment.pending or self.claimer.recheck_due():
                 await self._drain()
                 await self._retry("claiming partitions", self._claim, "claim.retry")
-                self._update_ready()
                 continue
             if not self._behind:
                 await self._drain()
@@ -384,7 +385,6 @@ class Worker:
         self._last_progress = time.monotonic()  # retrying is alive: /healthz stays 200, /readyz says why not
         if cause == "database":
             self._db_ok = False
-            self._update_ready()
             if self._conn is not None:
                 # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
                 self._conn.terminate()
