@@ -42,7 +42,7 @@ from stock_ledger.positions import PositionMonitor
 from stock_ledger.rebalance import Rebalance
 from stock_ledger.retry import Abandoned, Retrier
 from stock_ledger.sink import Ledger, Outcome
-from stock_ledger.topics import refuse_compacted, watch_compaction
+from stock_ledger.topics import TopicUnavailable, refuse_compacted, require_topic, watch_compaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -74,6 +74,7 @@ class Worker:
                                functools.partial(connect_worker, settings))
         self._conn: asyncpg.Connection | None = None
         self._db_ok = False
+        self._topic_problem: str | None = None  # why the topic cannot be read, until it can (readiness says it)
         self._last_progress = time.monotonic()
         self._main: asyncio.Task[None] | None = None
         self._in_flight: asyncio.Task[None] | None = None  # the batch transaction running while the next is built
@@ -124,6 +125,8 @@ class Worker:
             # One plain connection first: aiokafka reports a bad password or certificate only as "Unable to
             # bootstrap"; this names the cause and fails fast, where a retry cannot help.
             await self._retry("join the Kafka cluster", functools.partial(check_kafka, s), "startup.retry")
+            # Before the consumer starts: on a missing topic it would wait for ever, saying nothing of ours.
+            await self._retry("find the topic", self._find_topic, "startup.retry")
             await self._retry("join the Kafka cluster", self.consumer.start, "startup.retry")
             await self._retry("read the topic's configuration", functools.partial(
                 refuse_compacted, s.kafka_bootstrap_servers, s.topic, options=kafka_options(s)), "startup.retry")
@@ -184,7 +187,25 @@ class Worker:
         """/readyz and stock_ledger_ready: connected, a member, every assigned partition claimed."""
         if not self._db_ok:
             return False, "PostgreSQL not connected"
+        if self._topic_problem is not None:
+            return False, self._topic_problem
         return self.assignment.readiness()
+
+    async def _find_topic(self) -> None:
+        s = self.settings
+        try:
+            await require_topic(s.kafka_bootstrap_servers, s.topic, options=kafka_options(s))
+        except TopicUnavailable as exc:
+            if self._topic_problem is None:  # once: the retries that follow are logged as startup.retry
+                deadline = s.retry_deadline_seconds
+                log.error("topic.unavailable", topic=s.topic, bootstrap_servers=s.kafka_bootstrap_servers,
+                          detail=f"{exc}: create it, grant access, or fix STOCK_LEDGER_TOPIC / "
+                                 "KAFKA_BOOTSTRAP_SERVERS",
+                          retrying=f"until STOCK_LEDGER_RETRY_DEADLINE_SECONDS={deadline:g}, then exit 1" if deadline
+                          else "for ever (STOCK_LEDGER_RETRY_DEADLINE_SECONDS=0); /readyz says why")
+            self._topic_problem = str(exc)
+            raise
+        self._topic_problem = None
 
     # ---------------------------------------------------------------- main loop
 
