@@ -44,7 +44,7 @@ from stock_ledger.rebalance import Rebalance
 from stock_ledger.retry import Abandoned, Retrier
 from stock_ledger.servers import refuse_transaction_pooling
 from stock_ledger.sink import Ledger, Outcome
-from stock_ledger.topics import refuse_compacted, watch_compaction
+from stock_ledger.topics import TopicUnavailable, refuse_compacted, require_topic, watch_compaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -71,12 +71,12 @@ class Worker:
         self.consumer = make_consumer(settings)
         self._batch_lock = asyncio.Lock()
         self.consumer.subscribe([settings.topic], listener=Rebalance(
-            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000,
-            self._update_ready))
+            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000))
         self.claimer = Claimer(settings, self.ledger, self.assignment, self.consumer, self.metrics,
                                functools.partial(connect_worker, settings))
         self._conn: asyncpg.Connection | None = None
         self._db_ok = False
+        self._topic_problem: str | None = None  # why the topic cannot be read, until it can (readiness says it)
         self._last_progress = self._idle_checked = time.monotonic()
         self._main: asyncio.Task[None] | None = None
         self._in_flight: asyncio.Task[None] | None = None  # the batch transaction running while the next is built
@@ -89,6 +89,9 @@ class Worker:
         self._behind = False
         self.advice = KafkaAdvice(self.consumer, settings.topic)
         self._retry = Retrier(settings.retry_deadline_seconds, self.stopping, self._on_fault)
+        # Computed at scrape time from what /readyz answers: it cannot disagree with it (a gauge set on some
+        # transitions stayed 0 after the database came back while /readyz said 200).
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready()[0] else 0.0)
 
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT (see `handle_exit`); 0 on a requested stop."""
@@ -129,6 +132,8 @@ class Worker:
             # One plain connection first: aiokafka reports a bad password or certificate only as "Unable to
             # bootstrap"; this names the cause and fails fast, where a retry cannot help.
             await self._retry("join the Kafka cluster", functools.partial(check_kafka, s), "startup.retry")
+            # Before the consumer starts: on a missing topic it would wait for ever, saying nothing of ours.
+            await self._retry("find the topic", self._find_topic, "startup.retry")
             await self._retry("join the Kafka cluster", self.consumer.start, "startup.retry")
             await self._retry("read the topic's configuration", functools.partial(
                 refuse_compacted, s.kafka_bootstrap_servers, s.topic, options=kafka_options(s)), "startup.retry")
@@ -144,7 +149,6 @@ class Worker:
         except Abandoned as exc:
             log.info("worker.abandoned", detail=str(exc))
         finally:
-            self.metrics.ready.set(0)
             for task in (advisor, self._compaction):
                 if task is not None:
                     task.cancel()
@@ -184,12 +188,31 @@ class Worker:
         return True, f"main loop progressed {idle:.1f}s ago"
 
     async def readiness(self) -> tuple[bool, str]:
+        return self.ready()
+
+    def ready(self) -> tuple[bool, str]:
+        """/readyz and stock_ledger_ready: connected, a member, every assigned partition claimed."""
         if not self._db_ok:
             return False, "PostgreSQL not connected"
+        if self._topic_problem is not None:
+            return False, self._topic_problem
         return self.assignment.readiness()
 
-    def _update_ready(self) -> None:
-        self.metrics.ready.set(1 if self._db_ok and self.assignment.readiness()[0] else 0)
+    async def _find_topic(self) -> None:
+        s = self.settings
+        try:
+            await require_topic(s.kafka_bootstrap_servers, s.topic, options=kafka_options(s))
+        except TopicUnavailable as exc:
+            if self._topic_problem is None:  # once: the retries that follow are logged as startup.retry
+                deadline = s.retry_deadline_seconds
+                log.error("topic.unavailable", topic=s.topic, bootstrap_servers=s.kafka_bootstrap_servers,
+                          detail=f"{exc}: create it, grant access, or fix STOCK_LEDGER_TOPIC / "
+                                 "KAFKA_BOOTSTRAP_SERVERS",
+                          retrying=f"until STOCK_LEDGER_RETRY_DEADLINE_SECONDS={deadline:g}, then exit 1" if deadline
+                          else "for ever (STOCK_LEDGER_RETRY_DEADLINE_SECONDS=0); /readyz says why")
+            self._topic_problem = str(exc)
+            raise
+        self._topic_problem = None
 
     # ---------------------------------------------------------------- main loop
 
@@ -216,7 +239,6 @@ class Worker:
             if self.assignment.pending or self.claimer.recheck_due():
                 await self._drain()
                 await self._retry("claiming partitions", self._claim, "claim.retry")
-                self._update_ready()
                 continue
             if not self._behind:
                 await self._drain()
@@ -409,7 +431,6 @@ class Worker:
         self._last_progress = time.monotonic()  # retrying is alive: /healthz stays 200, /readyz says why not
         if cause == "database":
             self._db_ok = False
-            self._update_ready()
             if self._conn is not None:
                 # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
                 self._conn.terminate()
