@@ -17,6 +17,9 @@ KUBE_VERSION = "1.30.0"
 RELEASE = "ledger"
 NAMESPACE = "inventory"
 SECRET = "stock-ledger-db"  # noqa: S105 - the name of a Secret, not a secret
+MIGRATION_SECRET = "stock-ledger-db-owner"  # noqa: S105 - the owner role's Secret, by name
+# The values an install cannot do without: the worker's Secret and the migration hook's (owner) Secret.
+REQUIRED = ("--set", f"database.existingSecret={SECRET}", "--set", f"database.migrationSecret={MIGRATION_SECRET}")
 
 Manifest = dict[str, Any]
 

@@ -15,8 +15,10 @@ import pytest
 from .support import (
     CHART,
     KUBE_VERSION,
+    MIGRATION_SECRET,
     NAMESPACE,
     RELEASE,
+    REQUIRED,
     SECRET,
     HelmResult,
     Manifest,
@@ -244,14 +246,43 @@ class TestMigrationJob:
         assert pod_spec(job)["restartPolicy"] == "Never"
 
     def test_owner_secret(self, default_render: Rendered, all_render: Rendered) -> None:
-        """Defaults to the worker's Secret; database.migrationSecret/-Key select the owner's."""
+        """database.migrationSecret (key: database.migrationSecretKey, else database.secretKey) is the owner's."""
         expected = {
-            id(default_render): {"name": SECRET, "key": "DATABASE_URL"},
+            id(default_render): {"name": MIGRATION_SECRET, "key": "DATABASE_URL"},
             id(all_render): {"name": "stock-ledger-db-owner", "key": "owner-url"},
         }
         for rendered in (default_render, all_render):
             env = env_by_name(containers(rendered.one("Job", "-migrate"))[0])["DATABASE_URL"]
             assert env["valueFrom"]["secretKeyRef"] == expected[id(rendered)]
+
+    def test_never_falls_back_to_the_worker_secret(self, run_helm: Callable[..., HelmResult]) -> None:
+        """Without database.migrationSecret the install fails, saying what to create and which value to set: the
+        worker role cannot run DDL, so a hook run with its Secret would fail every install and upgrade."""
+        result = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                          "--set", f"database.existingSecret={SECRET}")
+        assert result.returncode != 0, "rendered a migration hook without the owner's Secret"
+        message = " ".join(result.stderr.split())
+        for fragment in ("database.migrationSecret is required while migrations.enabled is true", "OWNER role",
+                         f"kubectl -n {NAMESPACE} create secret generic stock-ledger-db-owner",
+                         "--from-literal=DATABASE_URL=", "set database.migrationSecret=stock-ledger-db-owner",
+                         "migrations.enabled=false"):
+            assert fragment in message, f"{fragment!r} not in:\n{result.stderr}"
+
+    def test_the_worker_secret_and_key_are_refused(self, run_helm: Callable[..., HelmResult]) -> None:
+        """Naming the worker's Secret and key explicitly is the same fallback; another key of it is fine."""
+        same = ("--set", f"database.existingSecret={SECRET}", "--set", f"database.migrationSecret={SECRET}")
+        result = run_helm("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *same)
+        assert result.returncode != 0
+        assert "is the worker's Secret and key" in result.stderr, result.stderr
+        result = run_helm("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *same,
+                          "--set", "database.migrationSecretKey=OWNER_URL")
+        assert result.returncode == 0, result.stderr
+
+    def test_disabled_migrations_need_no_owner_secret(self, render: Callable[..., Rendered]) -> None:
+        """migrations.enabled=false: no hook, so no owner Secret in the cluster (the operator migrates)."""
+        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "migrations.enabled=false")
+        assert [m["metadata"]["name"] for m in rendered.of_kind("Job")] == []
+        assert rendered.one("Deployment", WORKERS)
 
     def test_uses_no_chart_created_object(self, rendered: Rendered) -> None:
         """A pre-install hook runs before the release's objects exist: it may use none of them."""
@@ -299,7 +330,7 @@ class TestMonitoring:
         dashboards = []
         for namespace, release in (("inventory", "ledger"), ("staging", "ledger"), ("inventory", "other")):
             result = run_helm("template", release, str(CHART), "--namespace", namespace, "--kube-version",
-                              KUBE_VERSION, "--set", f"database.existingSecret={SECRET}",
+                              KUBE_VERSION, *REQUIRED,
                               "--set", "grafana.dashboard.enabled=true")
             assert result.returncode == 0, result.stderr
             rendered = Rendered([d for d in yaml_module.safe_load_all(result.stdout) if d])
@@ -392,7 +423,7 @@ class TestChaos:
         assert containers(prepare)[0]["command"][2] == (CHART / "files" / "chaos-prepare.py").read_text()
 
     def test_needs_the_drill_database(self, run_helm: Callable[..., HelmResult]) -> None:
-        result = run_helm("template", RELEASE, str(CHART), "--set", f"database.existingSecret={SECRET}",
+        result = run_helm("template", RELEASE, str(CHART), *REQUIRED,
                           "--set", "chaos.enabled=true")
         assert result.returncode != 0
         assert "/chaos/database/existingSecret" in result.stderr, result.stderr
@@ -446,7 +477,7 @@ class TestChaos:
         assert env["KAFKA_BOOTSTRAP_SERVERS"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
 
     def test_chaos_image_defaults_to_the_app_image(self, render: Callable[..., Rendered]) -> None:
-        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "chaos.enabled=true",
+        rendered = render(*REQUIRED, "--set", "chaos.enabled=true",
                           "--set", "chaos.database.existingSecret=drill-db")
         job = rendered.one("Job", f"{WORKERS}-chaos")
         assert containers(job)[0]["image"] == worker(rendered)["image"]
@@ -467,7 +498,7 @@ class TestNotes:
         (chart / "templates" / "notes.yaml").write_text(
             "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
         result = run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
-                          "--set", f"database.existingSecret={SECRET}", "--show-only", "templates/notes.yaml")
+                          *REQUIRED, "--show-only", "templates/notes.yaml")
         assert result.returncode == 0, result.stderr
         forward = next(line for line in result.stdout.splitlines() if "port-forward" in line)
         assert forward.rstrip().endswith(f"port-forward deploy/{WORKERS} 9108:9108 &")

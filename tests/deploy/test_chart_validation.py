@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .support import CHART, KUBE_VERSION, SECRET, VALUES_ALL, HelmResult, Rendered, kn, require_tool
+from .support import CHART, KUBE_VERSION, REQUIRED, VALUES_ALL, HelmResult, Rendered, kn, require_tool
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -49,7 +49,7 @@ def promtool_check_rules(path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     "values_args",
     [
-        pytest.param(("--set", f"database.existingSecret={SECRET}"), id="default"),
+        pytest.param(REQUIRED, id="default"),
         pytest.param(("--values", str(VALUES_ALL)), id="all"),
     ],
 )

@@ -108,6 +108,19 @@ The chaos image defaults to the app image; it must also contain kubectl (see val
 {{- end }}
 
 {{/*
+The migration hook's Secret: the owner role's DATABASE_URL. Never the worker's Secret as a fallback: the worker
+role (a member of stock_ledger_app) has no DDL rights, so a hook run with it fails every install and upgrade.
+*/}}
+{{- define "stock-ledger.migrationSecret" -}}
+{{- if not .Values.database.migrationSecret }}
+{{- fail (printf `database.migrationSecret is required while migrations.enabled is true: the migration hook runs DDL as the database's OWNER role, which the worker's Secret (database.existingSecret) cannot. Create a Secret holding the owner role's URL, e.g.
+  kubectl -n %s create secret generic stock-ledger-db-owner --from-literal=DATABASE_URL='postgresql://stock_ledger:...@db:5432/stock_ledger'
+and set database.migrationSecret=stock-ledger-db-owner (database.migrationSecretKey if the key is not %s), or set migrations.enabled=false and run "stock-ledger migrate" as the owner yourself before each install or upgrade` .Release.Namespace .Values.database.secretKey) }}
+{{- end }}
+{{- .Values.database.migrationSecret }}
+{{- end }}
+
+{{/*
 DATABASE_URL from the existing Secret, never from values: the URL holds a password.
 */}}
 {{- define "stock-ledger.databaseUrlEnv" -}}
