@@ -172,6 +172,29 @@ class TestWorkerContainer:
             "registry.example.com:5000/inventory/stock-ledger@sha256:"
         )
 
+    def test_registry_prefixes_every_image_of_the_chart(self, render: Callable[..., Rendered]) -> None:
+        """image.registry reaches every pod: workers, migration hook, helm test, the drill's Jobs and workers; with a
+        digest the reference is registry/repository@digest."""
+        digest = "sha256:" + "ab" * 32
+        drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db")
+        for flags, expected in (
+            ((), "mirror.example.com:5000/stock-ledger:0.1.0"),
+            (("--set", f"image.digest={digest}"), f"mirror.example.com:5000/stock-ledger@{digest}"),
+        ):
+            rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com:5000", *flags)
+            images = {kn(m): {c["image"] for c in containers(m)} for m in workloads(rendered)}
+            assert len(images) == 6, images  # workers, migrate, test pod, drill prepare, drill workers, drill Job
+            assert all(found == {expected} for found in images.values()), images
+
+    def test_chaos_image_registry_defaults_to_the_app_registry(self, render: Callable[..., Rendered]) -> None:
+        drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db",
+                 "--set", "chaos.image.repository=inventory/chaos", "--set-string", "chaos.image.tag=2")
+        rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com")
+        assert containers(rendered.one("Job", f"{WORKERS}-chaos"))[0]["image"] == "mirror.example.com/inventory/chaos:2"
+        rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com",
+                          "--set", "chaos.image.registry=other.example.com")
+        assert containers(rendered.one("Job", f"{WORKERS}-chaos"))[0]["image"] == "other.example.com/inventory/chaos:2"
+
     def test_database_url_from_the_existing_secret(
         self, default_render: Rendered, all_render: Rendered
     ) -> None:

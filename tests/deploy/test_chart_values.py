@@ -40,6 +40,10 @@ def template(run_helm: Callable[..., HelmResult]) -> Callable[..., HelmResult]:
         pytest.param((*REQUIRED, "--set", "image.tag=latest"), ["/image/tag"], id="latest-tag"),
         pytest.param((*REQUIRED, "--set", "image.repository="), ["/image/repository"], id="no-repository"),
         pytest.param((*REQUIRED, "--set", "image.digest=md5:abc"), ["/image/digest"], id="bad-digest"),
+        pytest.param((*REQUIRED, "--set", "image.registry=https://r.example.com"), ["/image/registry"],
+                     id="registry-with-scheme"),
+        pytest.param((*REQUIRED, "--set", "image.registry=r.example.com/"), ["/image/registry"],
+                     id="registry-with-slash"),
         pytest.param(
             (*REQUIRED, "--set", "config.batchSize=5"), ["/config", "batchSize"], id="unknown-config"
         ),

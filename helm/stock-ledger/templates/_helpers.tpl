@@ -77,27 +77,36 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
-An image reference from a {repository, tag, digest} value; the digest wins when set.
-Call with (dict "image" .Values.image "ctx" $).
+An image reference [registry/]repository:tag, or [registry/]repository@digest (the digest wins when set); an
+empty registry leaves the repository as written. Call with (dict "image" .Values.image "registry" "..." "ctx" $).
 */}}
 {{- define "stock-ledger.imageRef" -}}
+{{- $repository := .image.repository }}
+{{- with .registry }}
+{{- $repository = printf "%s/%s" . $repository }}
+{{- end }}
 {{- if .image.digest }}
-{{- printf "%s@%s" .image.repository .image.digest }}
+{{- printf "%s@%s" $repository .image.digest }}
 {{- else }}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- printf "%s:%s" $repository (default .ctx.Chart.AppVersion .image.tag) }}
 {{- end }}
-{{- end }}
-
-{{- define "stock-ledger.image" -}}
-{{- include "stock-ledger.imageRef" (dict "image" .Values.image "ctx" .) }}
 {{- end }}
 
 {{/*
-The chaos image defaults to the app image; it must also contain kubectl (see values.yaml, chaos.image).
+The app image: workers, the migration hook, helm test, and the chaos drill's prepare Job and workers.
+*/}}
+{{- define "stock-ledger.image" -}}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.image "registry" .Values.image.registry "ctx" .) }}
+{{- end }}
+
+{{/*
+The chaos image defaults to the app image; it must also contain kubectl (see values.yaml, chaos.image). Its
+registry defaults to image.registry.
 */}}
 {{- define "stock-ledger.chaosImage" -}}
 {{- if .Values.chaos.image.repository }}
-{{- include "stock-ledger.imageRef" (dict "image" .Values.chaos.image "ctx" .) }}
+{{- $registry := default .Values.image.registry .Values.chaos.image.registry }}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.chaos.image "registry" $registry "ctx" .) }}
 {{- else }}
 {{- include "stock-ledger.image" . }}
 {{- end }}
