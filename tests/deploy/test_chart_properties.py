@@ -138,6 +138,24 @@ class TestSecurityContext:
                 assert context["capabilities"] == {"drop": ["ALL"]}, where
                 assert context["seccompProfile"] == {"type": "RuntimeDefault"}, where
 
+    def test_fs_group_owns_the_secret_files(self, default_render: Rendered, render: Callable[..., Rendered]) -> None:
+        """fsGroup defaults to runAsGroup (a non-root uid reads the 0440 Secret files through it); it can be set."""
+        for manifest in workloads(default_render):
+            assert pod_spec(manifest)["securityContext"]["fsGroup"] == 10001, kn(manifest)
+        rendered = render(*REQUIRED, "--set", "securityContext.fsGroup=2000")
+        assert {pod_spec(m)["securityContext"]["fsGroup"] for m in workloads(rendered)} == {2000}
+
+    def test_large_ids_render_as_integers(self, render: Callable[..., Rendered], tmp_path: Path) -> None:
+        """An OpenShift-range uid from a values file must not print as 1.00068e+09 (Helm reads YAML numbers as
+        float64; `--set` would parse an int64 and hide it)."""
+        values = tmp_path / "ids.yaml"
+        values.write_text("securityContext:\n  runAsUser: 1000680000\n  runAsGroup: 1000680000\n")
+        rendered = render(*REQUIRED, "--values", str(values))
+        context = pod_spec(rendered.one("Deployment", WORKERS))["securityContext"]
+        ids = (context["runAsUser"], context["runAsGroup"], context["fsGroup"])
+        assert ids == (1000680000,) * 3
+        assert all(type(i) is int for i in ids), ids
+
     def test_tmp_is_a_writable_empty_dir(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
             volumes = {v["name"]: v for v in pod_spec(manifest)["volumes"]}
@@ -158,6 +176,59 @@ class TestSecurityContext:
                 resources = container["resources"]
                 assert {"cpu", "memory"} <= resources["requests"].keys(), kn(manifest)
                 assert "memory" in resources["limits"], kn(manifest)
+
+
+# What OpenShift's restricted-v2 SCC (and the Pod Security Standards' "restricted" profile) admit, as far as the
+# pod spec decides it: the uid, gid and fsGroup come from the namespace's ranges, so the spec must not fix them.
+RESTRICTED_VOLUME_SOURCES = {"configMap", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                             "projected", "secret"}
+
+
+def restricted_v2_violations(manifest: Manifest) -> list[str]:
+    spec = pod_spec(manifest)
+    where = kn(manifest)
+    found = [f"{where}: pod sets {key}" for key in ("runAsUser", "runAsGroup", "fsGroup", "supplementalGroups")
+             if key in spec["securityContext"]]
+    found += [f"{where}: {key}" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    for volume in spec.get("volumes", []):
+        sources = set(volume) - {"name"}
+        if not sources <= RESTRICTED_VOLUME_SOURCES:
+            found.append(f"{where}: volume {volume['name']} is {sources}")
+    for container in containers(manifest):
+        context = container["securityContext"]
+        name = f"{where} container {container['name']}"
+        found += [f"{name} sets {key}" for key in ("runAsUser", "runAsGroup") if key in context]
+        if context.get("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot is not true")
+        if context.get("allowPrivilegeEscalation") is not False or context.get("privileged"):
+            found.append(f"{name}: may escalate privileges")
+        if context.get("capabilities") != {"drop": ["ALL"]}:
+            found.append(f"{name}: capabilities {context.get('capabilities')}")
+        if context.get("seccompProfile") != {"type": "RuntimeDefault"}:
+            found.append(f"{name}: seccomp {context.get('seccompProfile')}")
+        found += [f"{name}: hostPort" for port in container.get("ports", []) if "hostPort" in port]
+    return found
+
+
+class TestRandomUid:
+    """With securityContext.runAsUser/runAsGroup/fsGroup null every pod leaves the ids to the platform (OpenShift's
+    restricted-v2 SCC assigns a uid from the namespace's range) and keeps every other restriction."""
+
+    NULL_IDS = ("--set", "securityContext.runAsUser=null", "--set", "securityContext.runAsGroup=null",
+                "--set", "securityContext.fsGroup=null")
+
+    def test_no_pod_fixes_an_id_and_every_restriction_stays(self, render: Callable[..., Rendered]) -> None:
+        rendered = render(*REQUIRED, *self.NULL_IDS, "--set", "chaos.enabled=true",
+                          "--set", "chaos.database.existingSecret=drill-db")
+        assert len(workloads(rendered)) == 6
+        violations = [v for m in workloads(rendered) for v in restricted_v2_violations(m)]
+        assert not violations, "\n".join(violations)
+
+    def test_the_default_fixes_the_images_ids(self, default_render: Rendered) -> None:
+        """The checker above is not vacuous: the default render pins uid 10001, which restricted-v2 refuses."""
+        violations = [v for m in workloads(default_render) for v in restricted_v2_violations(m)]
+        assert any("pod sets runAsUser" in v for v in violations)
+        assert all("sets runAsUser" in v or "sets runAsGroup" in v or "sets fsGroup" in v for v in violations)
 
 
 class TestWorkerContainer:

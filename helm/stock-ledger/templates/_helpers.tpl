@@ -174,12 +174,25 @@ numbers as float64, which would otherwise print 1e+06.
 {{- end }}
 
 {{/*
+runAsNonRoot always; the uid and gid only when set (null leaves them to the platform: OpenShift's restricted-v2
+SCC assigns a uid from the namespace's range, and the image runs under any uid). Printed as integers: Helm reads
+numbers as float64, and an OpenShift-range uid such as 1000680000 would otherwise print as 1.00068e+09.
+*/}}
+{{- define "stock-ledger.runAs" -}}
+runAsNonRoot: true
+{{- with .Values.securityContext.runAsUser }}
+runAsUser: {{ . | int64 }}
+{{- end }}
+{{- with .Values.securityContext.runAsGroup }}
+runAsGroup: {{ . | int64 }}
+{{- end }}
+{{- end }}
+
+{{/*
 Security context of every container of the chart; the pods set the matching pod-level fields.
 */}}
 {{- define "stock-ledger.containerSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: {{ .Values.securityContext.runAsUser }}
-runAsGroup: {{ .Values.securityContext.runAsGroup }}
+{{ include "stock-ledger.runAs" . }}
 readOnlyRootFilesystem: true
 allowPrivilegeEscalation: false
 privileged: false
@@ -190,11 +203,15 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/*
+fsGroup (securityContext.fsGroup, else runAsGroup) owns the mounted Secret files (mode 0440): without one a
+non-root uid could not read them. With both null it is left to the platform (OpenShift assigns one).
+*/}}
 {{- define "stock-ledger.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: {{ .Values.securityContext.runAsUser }}
-runAsGroup: {{ .Values.securityContext.runAsGroup }}
-fsGroup: {{ .Values.securityContext.runAsGroup }}
+{{ include "stock-ledger.runAs" . }}
+{{- with default .Values.securityContext.runAsGroup .Values.securityContext.fsGroup }}
+fsGroup: {{ . | int64 }}
+{{- end }}
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
