@@ -67,6 +67,7 @@ class TestSelectors:
     def test_every_selector_is_the_same(self, rendered: Rendered) -> None:
         selectors = [rendered.one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]
         selectors += [m["spec"]["selector"]["matchLabels"] for m in rendered.of_kind("PodMonitor")]
+        selectors += [m["spec"]["selector"]["matchLabels"] for m in rendered.of_kind("ServiceMonitor")]
         spread = pod_spec(rendered.one("Deployment", WORKERS)).get("topologySpreadConstraints", [])
         assert spread, "the worker pods must have topologySpreadConstraints"
         selectors += [constraint["labelSelector"]["matchLabels"] for constraint in spread]
@@ -393,7 +394,7 @@ class TestMonitoring:
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == "9108"
         assert annotations["prometheus.io/path"] == "/metrics"
-        assert not default_render.kinds() & {"PodMonitor", "PrometheusRule", "ConfigMap"}
+        assert not default_render.kinds() & {"PodMonitor", "ServiceMonitor", "PrometheusRule", "ConfigMap"}
 
     def test_pod_monitor_replaces_annotations(self, all_render: Rendered) -> None:
         monitor = all_render.one("PodMonitor")
@@ -404,6 +405,36 @@ class TestMonitoring:
         annotations = all_render.one("Deployment", WORKERS)["spec"]["template"]["metadata"]["annotations"]
         assert not [key for key in annotations if key.startswith("prometheus.io/")], "scraped twice"
         assert annotations["example.com/owner"] == "inventory"
+
+    def test_service_monitor_scrapes_every_worker_through_the_headless_service(
+        self, render: Callable[..., Rendered],
+    ) -> None:
+        """The ServiceMonitor selects the workers Service by its labels and the endpoints by the Service's port name;
+        that Service selects exactly the worker pods, NotReady ones included. No scrape annotations, no PodMonitor."""
+        rendered = render(*REQUIRED, "--set", "metrics.serviceMonitor.enabled=true",
+                          "--set", "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
+                          "--set", "metrics.serviceMonitor.interval=15s")
+        monitor = rendered.one("ServiceMonitor")
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        matched = [s for s in rendered.of_kind("Service") if selector.items() <= s["metadata"]["labels"].items()]
+        assert [s["metadata"]["name"] for s in matched] == [f"{WORKERS}-workers"]
+        service = matched[0]
+        assert service["spec"]["selector"] == SELECTOR
+        assert service["spec"]["publishNotReadyAddresses"] is True
+        assert monitor["spec"]["endpoints"] == [
+            {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}]
+        assert [p["name"] for p in service["spec"]["ports"]] == ["metrics"]
+        assert service["spec"]["ports"][0]["targetPort"] == worker(rendered)["ports"][0]["name"]
+        annotations = rendered.one("Deployment", WORKERS)["spec"]["template"]["metadata"].get("annotations", {})
+        assert not [key for key in annotations if key.startswith("prometheus.io/")], "scraped twice"
+        assert "PodMonitor" not in rendered.kinds()
+
+    def test_pod_monitor_and_service_monitor_exclude_each_other(self, run_helm: Callable[..., HelmResult]) -> None:
+        result = run_helm("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *REQUIRED,
+                          "--set", "metrics.podMonitor.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+        assert result.returncode != 0
+        assert "enable one of them, or every worker is scraped twice" in result.stderr, result.stderr
 
     def test_prometheus_rule_labels(self, all_render: Rendered) -> None:
         assert all_render.one("PrometheusRule")["metadata"]["labels"]["release"] == "kube-prometheus-stack"

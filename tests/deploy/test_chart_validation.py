@@ -24,7 +24,8 @@ pytestmark = pytest.mark.deploy
 
 # Custom resources: validated by the checks below, not by the built-in schemas. Any other kind without a
 # schema fails the schema test, so a new CRD must be added here deliberately.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+                ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 @pytest.fixture(scope="module")
