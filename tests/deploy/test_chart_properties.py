@@ -577,25 +577,42 @@ class TestChaos:
         assert containers(job)[0]["image"] == worker(rendered)["image"]
 
 
+def render_notes(run_helm: Callable[..., HelmResult], tmp_path: Path, *flags: str) -> HelmResult:
+    """`helm template` skips NOTES.txt, so a copy of the chart renders it as a YAML block."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "notes.yaml").write_text(
+        "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
+    return run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                    *REQUIRED, *flags, "--show-only", "templates/notes.yaml")
+
+
 class TestNotes:
     """NOTES.txt gives commands that work as printed."""
 
     def test_port_forward_runs_in_the_background_before_curl(
         self, run_helm: Callable[..., HelmResult], tmp_path: Path,
     ) -> None:
-        """`port-forward` blocks: `port-forward ... && curl` never reaches curl. `helm template` skips NOTES.txt,
-        so a copy of the chart renders it as a YAML block."""
-        chart = tmp_path / "chart"
-        shutil.copytree(CHART, chart)
-        notes = (chart / "templates" / "NOTES.txt").read_text()
-        (chart / "templates" / "NOTES.txt").unlink()
-        (chart / "templates" / "notes.yaml").write_text(
-            "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
-        result = run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
-                          *REQUIRED, "--show-only", "templates/notes.yaml")
+        """`port-forward` blocks: `port-forward ... && curl` never reaches curl."""
+        result = render_notes(run_helm, tmp_path)
         assert result.returncode == 0, result.stderr
         forward = next(line for line in result.stdout.splitlines() if "port-forward" in line)
         assert forward.rstrip().endswith(f"port-forward deploy/{WORKERS} 9108:9108 &")
         assert "&&" not in result.stdout
         assert "curl -s localhost:9108/metrics" in result.stdout
         assert "helm test" in result.stdout
+
+    def test_a_network_policy_without_metrics_peers_is_pointed_out(
+        self, run_helm: Callable[..., HelmResult], tmp_path: Path,
+    ) -> None:
+        """Only helm test may reach the metrics port then: scraping would fail silently, so the notes say it."""
+        result = render_notes(run_helm, tmp_path, "--set", "networkPolicy.enabled=true")
+        assert result.returncode == 0, result.stderr
+        assert "list your Prometheus in networkPolicy.metricsFrom" in result.stdout
+        (tmp_path / "again").mkdir()
+        result = render_notes(run_helm, tmp_path / "again", "--set", "networkPolicy.enabled=true",
+                              "--set", "networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus")
+        assert result.returncode == 0, result.stderr
+        assert "metricsFrom" not in result.stdout
