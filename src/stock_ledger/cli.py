@@ -274,9 +274,23 @@ CLI_SESSION: Final = {"application_name": "stock-ledger-cli", "default_transacti
 
 
 async def _read_only(settings: Settings) -> asyncpg.Connection:
+    from stock_ledger import schemaguard  # noqa: PLC0415
     from stock_ledger.clients import check_sslmode  # noqa: PLC0415
+    from stock_ledger.dberrors import connect_error  # noqa: PLC0415
 
-    return await asyncpg.connect(check_sslmode(settings), server_settings=CLI_SESSION)
+    url = check_sslmode(settings)
+    try:
+        conn = await asyncpg.connect(url, server_settings=CLI_SESSION)
+    except Exception as exc:
+        if (problem := connect_error(exc, url)) is None:
+            raise
+        raise problem from None
+    try:
+        await schemaguard.secure(conn)
+    except BaseException:
+        conn.terminate()
+        raise
+    return conn
 
 
 async def _say_when_slow(after: float) -> None:
@@ -327,7 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _command_name(args: argparse.Namespace) -> str:
+    """`gaps list`, `offsets set`, `repair`...: what dberrors.explain bases its advice on."""
+    sub = next((getattr(args, a) for a in ("gaps_command", "action", "stock_command") if getattr(args, a, None)), "")
+    return f"{args.command} {sub}".strip()
+
+
+def _main(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one exit per outcome
     try:
         settings = load_settings(os.environ)
         logs.configure(settings.log_level, settings.log_format)
@@ -351,10 +371,18 @@ def _main(args: argparse.Namespace) -> int:
     except StockLedgerError as exc:
         log.error("fatal", error=str(exc), error_type=type(exc).__name__)
         return 1
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, KafkaError, OSError) as exc:
-        # Not retriable (bad password, unknown database, unreachable for too long...): say what, not where.
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # After the connect (a missing privilege, no schema...): the cause and the fix, one line (dberrors.py).
+        from stock_ledger.dberrors import explain  # noqa: PLC0415
+
+        url = load_settings(os.environ).database_url  # loaded once already: cannot fail now
+        log.error("fatal", error=explain(exc, url, _command_name(args)) or str(exc),
+                  error_type=type(exc).__name__, sqlstate=getattr(exc, "sqlstate", None))
+        return 1
+    except (KafkaError, OSError) as exc:
+        # Database sessions raise our own errors for these (clients.connect_database): this is Kafka, or the OS.
         log.error("fatal", error=str(exc) or repr(exc), error_type=type(exc).__name__,
-                  hint="check DATABASE_URL / KAFKA_BOOTSTRAP_SERVERS and that the services are up")
+                  hint="check KAFKA_BOOTSTRAP_SERVERS and that the broker is up")
         return 1
     except KeyboardInterrupt:
         return 130

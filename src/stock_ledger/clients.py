@@ -29,8 +29,10 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 
+from stock_ledger import schemaguard
 from stock_ledger.config import SSLMODES, url_sslmode
-from stock_ledger.errors import ConfigError, ConnectionSecurityError
+from stock_ledger.dberrors import connect_error
+from stock_ledger.errors import ConfigError, ConnectionSecurityError, StockLedgerError
 
 if TYPE_CHECKING:
     import asyncio
@@ -147,35 +149,38 @@ def session_settings(settings: Settings, application_name: str) -> dict[str, str
 
 
 async def connect_database(settings: Settings, *, application_name: str = "stock-ledger",
-                           connect_timeout: float = 10) -> asyncpg.Connection:
-    """One session with the worker's timeouts; certificate and password failures raise one clear line."""
+                           connect_timeout: float = 10, guard: bool = True) -> asyncpg.Connection:
+    """One session with the worker's timeouts; a failed connect raises one clear line (dberrors.explain).
+
+    Its search_path is pinned, and unless `guard` is off (the worker's own sessions) it refuses a schema a
+    less-privileged role could have planted objects in (schemaguard.py)."""
     url = check_sslmode(settings)
     try:
-        return await asyncpg.connect(url, timeout=connect_timeout,
+        conn = await asyncpg.connect(url, timeout=connect_timeout,
                                      server_settings=session_settings(settings, application_name))
     except Exception as exc:
-        problem = _database_problem(exc)
+        problem = _database_problem(exc, url)
         if problem is None:
             raise
         raise problem from None
+    try:
+        await (schemaguard.secure(conn) if guard else schemaguard.pin(conn))
+    except BaseException:
+        conn.terminate()
+        raise
+    return conn
 
 
 async def create_database_pool(settings: Settings, *, application_name: str, max_size: int = 1) -> asyncpg.Pool:
     """A small pool (metrics, checks) under the same sslmode rule; connections open lazily."""
+    # setup, not init: a released connection is RESET ALL, which would undo the pinned search_path.
     return await asyncpg.create_pool(check_sslmode(settings), min_size=0, max_size=max_size, timeout=5,
-                                     server_settings={"application_name": application_name})
+                                     server_settings={"application_name": application_name}, setup=schemaguard.pin)
 
 
-def _database_problem(exc: BaseException) -> ConnectionSecurityError | None:
-    """A failed connect that a retry cannot fix, as one clear line; None for anything else."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ConnectionSecurityError(_certificate_problem("PostgreSQL", "DATABASE_URL's host", exc,
-                                                            "the URL's sslrootcert", "use sslmode=verify-ca"))
-    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
-        # Covers a wrong password (28P01) and a pg_hba rejection (28000); the server's message names the user only.
-        return ConnectionSecurityError(f"PostgreSQL refused the login: {exc}. Check the user and password in "
-                                       "DATABASE_URL (or DATABASE_URL_FILE)")
-    return None
+def _database_problem(exc: BaseException, url: str) -> StockLedgerError | None:
+    """A failed connect as one clear line; None for anything else (dberrors.connect_error)."""
+    return connect_error(exc, url)
 
 
 def make_consumer(settings: Settings) -> AIOKafkaConsumer:
@@ -204,7 +209,7 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
 async def connect_worker(settings: Settings) -> asyncpg.Connection:
     """The worker's session; its application_name names the group, so a claim can tell a zombie of its own group
     among the sessions that block it (sink.Unblock)."""
-    return await connect_database(settings, application_name=session_name(settings.group_id))
+    return await connect_database(settings, application_name=session_name(settings.group_id), guard=False)
 
 
 def session_name(group_id: str) -> str:
