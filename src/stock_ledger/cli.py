@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check the ledger against the topic; exit 0 only if all checks hold")
     verify.add_argument("--expect", type=int, default=None, help="expected number of rows in stock_movements")
     verify.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for lag 0")
+    verify.add_argument("--json", action="store_true",
+                        help="one JSON document on stdout instead of the table: ok, rows, distinct_sources, checks "
+                             "(name, ok, detail) and per-partition findings (missing, repeated, phantoms); same exit "
+                             "code")
     gaps = sub.add_parser("gaps", help="holes in the log the ledger moved past (ledger_gaps)",
                           description="Holes are offsets Kafka deleted (retention, delete-records) before they were "
                           "applied. `verify` fails while one is unacknowledged. Acknowledge after reconciling the "
@@ -169,7 +173,7 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     if args.wait > 0 and not await wait_for_drain(settings, args.wait):
         print(f"verify: the ledger did not catch up within {args.wait:g}s; checking anyway", file=sys.stderr)
     report = await verify(settings, args.expect, scope=scope)
-    print(report.render())
+    print(json.dumps(report.as_dict()) if args.json else report.render())
     return 0 if report.ok else 1
 
 
