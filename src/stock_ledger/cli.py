@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("stock_ledger.cli")
 
+# Every database failure (a refused login, an unknown database, a missing GRANT, no schema, an unreachable server)
+# exits 1 with one line from dberrors.explain; `run` against a database `migrate` has not prepared exits 2.
+EXIT_CODES: Final = ("exit codes: 0 success; 1 failure, one line saying the cause and the fix (every database "
+                     "error included: refused login, unknown database, missing GRANT, unreachable server); 2 bad "
+                     "configuration or usage; 3 `repair` only: some records are gone from Kafka; 130 interrupted; "
+                     "143 stopped by SIGTERM")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stock-ledger", description=__doc__.split("\n")[0])
@@ -102,6 +109,7 @@ def _operator_commands(parser: argparse.ArgumentParser, sub: argparse._SubParser
         sub.choices[name].epilog = environment_epilog((*names, *_COMMON_ENV))
     parser.epilog = "environment variables read by each command (see `stock-ledger <command> --help`):\n" + "\n".join(
         f"  {name}: {', '.join(names)}" for name, names in {**_ENVIRONMENT, **ENVIRONMENT}.items())
+    parser.epilog += "\n\n" + EXIT_CODES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 # ----------------------------------------------------------------------------------------------------------------
 
