@@ -112,7 +112,8 @@ async def _connect(database_url: str, options: MigrateOptions, started: float) -
                 raise DatabaseError(
                     f"the database did not accept connections within {options.deadline_seconds:g}s "
                     f"(STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS); last error: "
-                    f"{explain(exc, database_url, 'migrate') or f'{type(exc).__name__}: {exc}'}"
+                    f"{explain(exc, database_url, 'migrate') or f'{type(exc).__name__}: {exc}'}. "
+                    "Check DATABASE_URL's host and port and that PostgreSQL is up"
                 ) from exc
             delay = _delay(attempt)
             log.info("migration.waiting_for_database", attempt=attempt, waited_seconds=round(waited, 1),
