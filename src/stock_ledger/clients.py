@@ -30,7 +30,9 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 
+from stock_ledger import schemaguard
 from stock_ledger.config import SSLMODES, url_sslmode
+from stock_ledger.dberrors import connect_error
 from stock_ledger.errors import ConfigError, ConnectionSecurityError, StockLedgerError
 
 if TYPE_CHECKING:
@@ -158,23 +160,28 @@ _PID: Final = "SELECT pg_backend_pid()"
 _backend_pids: weakref.WeakKeyDictionary[asyncpg.Connection, int] = weakref.WeakKeyDictionary()
 
 
-async def connect_database(settings: Settings, *, application_name: str = "stock-ledger",
-                           connect_timeout: float = 10, session: Mapping[str, str] | None = None,
-                           statement_cache_size: int = 100) -> asyncpg.Connection:
-    """One session with the worker's timeouts (or `session`'s settings); certificate and password failures, and a
-    pooler refusing a startup parameter, raise one clear line."""
+async def connect_database(  # noqa: PLR0913 - every caller sets a different one of these
+    settings: Settings, *, application_name: str = "stock-ledger", connect_timeout: float = 10,
+    session: Mapping[str, str] | None = None, statement_cache_size: int = 100, guard: bool = True,
+) -> asyncpg.Connection:
+    """One session with the worker's timeouts (or `session`'s settings); a failed connect, and a pooler refusing a
+    startup parameter, raise one clear line (dberrors.explain).
+
+    Its search_path is pinned, and unless `guard` is off (the worker's own sessions) it refuses a schema a
+    less-privileged role could have planted objects in (schemaguard.py)."""
     url = check_sslmode(settings)
     values = session_settings(settings) if session is None else session
     try:
         conn = await asyncpg.connect(url, timeout=connect_timeout, statement_cache_size=statement_cache_size,
                                      server_settings={"application_name": application_name})
     except Exception as exc:
-        problem = _database_problem(exc)
+        problem = _database_problem(exc, url)
         if problem is None:
             raise
         raise problem from None
     try:
         row = await conn.fetchrow(_SET_SESSION, list(values), list(values.values()))
+        await (schemaguard.secure(conn) if guard else schemaguard.pin(conn))
     except BaseException:
         conn.terminate()
         raise
@@ -194,8 +201,9 @@ async def backend_pid(conn: asyncpg.Connection) -> int:
 
 async def create_database_pool(settings: Settings, *, application_name: str, max_size: int = 1) -> asyncpg.Pool:
     """A small pool (metrics, checks) under the same sslmode rule; connections open lazily."""
+    # setup, not init: a released connection is RESET ALL, which would undo the pinned search_path.
     return await asyncpg.create_pool(check_sslmode(settings), min_size=0, max_size=max_size, timeout=5,
-                                     server_settings={"application_name": application_name})
+                                     server_settings={"application_name": application_name}, setup=schemaguard.pin)
 
 
 def refused_startup_parameter(exc: BaseException) -> ConfigError | None:
@@ -212,19 +220,9 @@ def refused_startup_parameter(exc: BaseException) -> ConfigError | None:
         "ignore_startup_parameters = <that parameter> in pgbouncer.ini, or connect to PostgreSQL directly")
 
 
-def _database_problem(exc: BaseException) -> StockLedgerError | None:
-    """A failed connect that a retry cannot fix, as one clear line; None for anything else."""
-    refused = refused_startup_parameter(exc)
-    if refused is not None:
-        return refused
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ConnectionSecurityError(_certificate_problem("PostgreSQL", "DATABASE_URL's host", exc,
-                                                            "the URL's sslrootcert", "use sslmode=verify-ca"))
-    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
-        # Covers a wrong password (28P01) and a pg_hba rejection (28000); the server's message names the user only.
-        return ConnectionSecurityError(f"PostgreSQL refused the login: {exc}. Check the user and password in "
-                                       "DATABASE_URL (or DATABASE_URL_FILE)")
-    return None
+def _database_problem(exc: BaseException, url: str) -> StockLedgerError | None:
+    """A failed connect as one clear line; None for anything else (a pooler's refusal, else dberrors.connect_error)."""
+    return refused_startup_parameter(exc) or connect_error(exc, url)
 
 
 def make_consumer(settings: Settings) -> AIOKafkaConsumer:
@@ -253,7 +251,7 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
 async def connect_worker(settings: Settings) -> asyncpg.Connection:
     """The worker's session; its application_name names the group, so a claim can tell a zombie of its own group
     among the sessions that block it (sink.Unblock)."""
-    return await connect_database(settings, application_name=session_name(settings.group_id))
+    return await connect_database(settings, application_name=session_name(settings.group_id), guard=False)
 
 
 def session_name(group_id: str) -> str:

@@ -34,6 +34,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from stock_ledger import pgtime
 from stock_ledger.batch import M_ID, M_OFFSET, M_PARTITION, M_TOPIC
 from stock_ledger.clients import connect_database, kafka_options
+from stock_ledger.dberrors import explain
 from stock_ledger.domain import Movement, RejectCode, parse
 from stock_ledger.errors import ConfigError, StockLedgerError
 from stock_ledger.progress import Progress
@@ -174,8 +175,8 @@ def handler(settings: Settings, args: argparse.Namespace) -> Callable[[], Corout
             print(f"{name}: {exc}", file=sys.stderr)
             return 1
         except asyncpg.InsufficientPrivilegeError as exc:
-            print(f"{name}: {exc}: operator commands run as the owner role "
-                  "(the DATABASE_URL of `stock-ledger migrate`)", file=sys.stderr)
+            command_name = " ".join(part for part in (args.command, args.action) if part)
+            print(f"{name}: {explain(exc, settings.database_url, command_name)}", file=sys.stderr)
             return 1
 
     return refusals_on_stderr

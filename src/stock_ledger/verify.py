@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -97,10 +97,26 @@ class Report:
     rows: int = 0
     distinct_sources: int = 0
     checks: list[Check] = field(default_factory=list)
+    # `verify --json`: per partition, what the comparison with the topic found (as_dict).
+    partitions: list[PartitionResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """`verify --json`: the same checks, and each partition's findings as offset ranges [first, last]
+        (at most ranges.SAMPLE ranges of each kind; `runs` and `offsets` count them all)."""
+        def found(f: Found) -> dict[str, Any]:
+            return {"offsets": f.offsets, "runs": f.runs, "sample": [list(r) for r in f.sample]}
+
+        return {
+            "ok": self.ok, "rows": self.rows, "distinct_sources": self.distinct_sources,
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+            "partitions": [{"partition": r.partition, "records": r.records, "last_record": r.last_record,
+                            "missing": found(r.missing), "repeated": found(r.repeated), "phantoms": found(r.phantoms)}
+                           for r in self.partitions],
+        }
 
     def add(self, name: str, ok: bool, detail: str) -> None:
         self.checks.append(Check(name, ok, detail))
@@ -453,7 +469,7 @@ async def _compare_all(conn: asyncpg.Connection, consumer: AIOKafkaConsumer, set
 
 
 def _report(results: Sequence[PartitionResult], scope: Scope, stored: dict[int, int | None]) -> Report:
-    report = Report()
+    report = Report(partitions=list(results))
     produced = sum(r.records for r in results)
     what = "committed records"
     if scope.since is not None:

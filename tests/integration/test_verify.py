@@ -267,3 +267,32 @@ async def test_records_skipped_with_an_acknowledged_gap_are_reported_not_failed(
     assert unacked.check("gaps (in topic, in neither table)") == "FAIL    51 records: p2: 10-60"
     assert unacked.check("acknowledged gaps (skipped on purpose)") == "ok      none"
     assert unacked.check("no unacknowledged gap (ledger_gaps)").startswith("FAIL    1 open: p2 10-60 (operator_skip)")
+
+
+async def test_json_output_carries_the_same_checks_and_each_partitions_findings(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """`verify --json` after one deleted movement: one JSON document on stdout with ok false, the same check names
+    and results as the table, and the gap as offsets [1, 1] of its partition (others clean); same exit code 1."""
+    import json  # noqa: PLC0415
+
+    await drain(services, database, topic, workers, 1_200)
+    stop(workers)
+    ends = await end_offsets(services.kafka, topic)
+    p_gap = min(p for p, e in ends.items() if e >= 3)
+    await sql(database, "DELETE FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = $2 "
+                        "AND kafka_offset = 1", topic, p_gap)
+    text, machine = await run_verify(workers), await run_verify(workers, "--json")
+    assert (text.code, machine.code) == (1, 1)
+    document = json.loads(machine.stdout)
+    assert document["ok"] is False
+    assert document["rows"] == 1_199
+    rows = {line.split("  ")[0] for line in text.stdout.splitlines()[2:-1]}
+    assert {c["name"] for c in document["checks"]} == rows
+    gaps = next(c for c in document["checks"] if c["name"] == "gaps (in topic, in neither table)")
+    assert gaps["ok"] is False
+    assert gaps["detail"] == text.check("gaps (in topic, in neither table)").removeprefix("FAIL").strip()
+    by_partition = {p["partition"]: p for p in document["partitions"]}
+    assert len(by_partition) == 24
+    assert by_partition[p_gap]["missing"] == {"offsets": 1, "runs": 1, "sample": [[1, 1]]}
+    assert all(not p["missing"]["offsets"] for n, p in by_partition.items() if n != p_gap)
