@@ -221,11 +221,12 @@ async def test_a_hole_is_found_by_the_next_check_exported_and_cleared_by_a_repai
     settings = Settings(kafka_bootstrap_servers=services.kafka, database_url=database.worker_url, topic=topic,
                         group_id=GROUP)
     metrics = Metrics(CollectorRegistry())
+    metrics.lead(leading=True)  # as the lease makes it: only the monitor leader exports the ledger gauges
     monitor = PositionMonitor(settings, metrics, lambda: asyncpg.connect(database.worker_url))
     missing = functools.partial(metrics.registry.get_sample_value, "stock_ledger_ledger_missing_records")
     try:
         assert missing() == 0  # exported from the start
-        await monitor._invariants()  # the timer's body, once, without the lease
+        await monitor._invariants()  # the timer's body, once, without taking the lease
         await apply_offsets(owner, topic, 2, list(range(1, 40)))
         await owner.execute("DELETE FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = 2 "
                             "AND kafka_offset BETWEEN 13 AND 16", topic)
@@ -406,6 +407,7 @@ async def test_a_replay_leaves_the_alerts_series_at_0(owner: asyncpg.Connection,
     settings = Settings(kafka_bootstrap_servers=services.kafka, database_url=database.worker_url, topic=TOPIC,
                         group_id=GROUP)
     metrics = Metrics(CollectorRegistry())
+    metrics.lead(leading=True)  # as the lease makes it: only the monitor leader exports the ledger gauges
     monitor = PositionMonitor(settings, metrics, lambda: asyncpg.connect(database.worker_url))
 
     def series() -> tuple[float | None, float | None]:
@@ -413,7 +415,7 @@ async def test_a_replay_leaves_the_alerts_series_at_0(owner: asyncpg.Connection,
                 metrics.registry.get_sample_value("stock_ledger_ledger_missing_records"))
 
     try:
-        await monitor._invariants()  # the timer's body, once, without the lease
+        await monitor._invariants()  # the timer's body, once, without taking the lease
         await monitor._invariants()
         replay = Settings(database_url=database.owner_url, topic=TOPIC, group_id=GROUP)
         args = argparse.Namespace(reason=None, batch_size=500, dry_run=False, json=True)
