@@ -16,6 +16,30 @@
 #   stock_ledger         owner of database stock_ledger; runs migrations; CREATEDB/CREATEROLE for tests
 #   stock_ledger_app     NOLOGIN group role; migrations grant it exactly what the worker needs
 #   stock_ledger_worker  LOGIN, member of stock_ledger_app: what `stock-ledger run` connects as
+#
+# HA: an asynchronous streaming pair of its own (issue 30), beside the cluster above and on its own ports
+# (STOCK_LEDGER_HA_PORTS, default 5441,5442), for the database-fault tests and for trying a failover by hand. Nodes
+# `a` and `b` keep their ports; which one is the primary changes. Same roles, same TLS; the standby is made with
+# `pg_basebackup -R` and replicates asynchronously as stock_ledger_replicator. DATABASE_URL does not apply here.
+#
+#   scripts/postgres.sh ha start       # idempotent: a primary and a standby streaming from it, both running; heals
+#                                      # what a failover left (the lost node is re-made as a standby of the primary)
+#   scripts/postgres.sh ha stop        # both nodes, fast shutdown
+#   scripts/postgres.sh ha status      # one line per node (role, timeline, replication), then `pair: healthy`
+#                                      # (exit 0) or `pair: degraded: <why>` (exit 1)
+#   scripts/postgres.sh ha url | worker-url  # multi-host URLs: ...@127.0.0.1:5441,127.0.0.1:5442/stock_ledger
+#                                      # ?target_session_attrs=read-write
+#   scripts/postgres.sh ha switchover  # planned: stop the primary cleanly, wait until the standby has replayed its
+#                                      # shutdown checkpoint, promote it, re-attach the old primary as its standby
+#   scripts/postgres.sh ha cut         # the standby stops receiving WAL (its walreceiver points at port 1); the
+#                                      # primary keeps committing what the standby will never see
+#   scripts/postgres.sh ha failover --lossy [--hold SECONDS]  # cut, keep the primary running SECONDS (default 4)
+#                                      # under whatever load runs, kill -9 it, promote the standby; the old primary
+#                                      # is left stopped and marked diverged (`ha start` re-makes it as a standby)
+#   scripts/postgres.sh ha rebuild     # drop both nodes, start a fresh pair
+#
+# switchover and failover print `primary=<node> port=<port>` on stdout (failover adds `lost_wal_bytes=<n>`, WAL the
+# old primary wrote that the new one never received: at least that much, as commits continued until the kill).
 set -euo pipefail
 
 PGPORT="${PGPORT:-5432}"
@@ -57,13 +81,13 @@ psql_admin() {
   if as_root; then
     runuser -u postgres -- psql -X -q -v ON_ERROR_STOP=1 -p "$PGPORT" -d postgres "$@"
   else
-    psql -X -q -v ON_ERROR_STOP=1 -h "$state/run" -p "$PGPORT" -d postgres "$@"
+    psql -X -q -v ON_ERROR_STOP=1 -h "${pg_socket_dir:-$state/run}" -p "$PGPORT" -d postgres "$@"
   fi
 }
 
 ready() {
   if as_root; then runuser -u postgres -- "$(pg_bin)/pg_isready" -q -p "$PGPORT" 2>/dev/null
-  else "$(pg_bin)/pg_isready" -q -h "$state/run" -p "$PGPORT" 2>/dev/null; fi
+  else "$(pg_bin)/pg_isready" -q -h "${pg_socket_dir:-$state/run}" -p "$PGPORT" 2>/dev/null; fi
 }
 
 # Sized for a ledger that grows (README, "As the ledger grows"): the unique indexes of tens of millions of movements
@@ -186,7 +210,8 @@ ensure_tls() {
   ca_issue "$state/tls" server "IP:127.0.0.1"
   if as_root; then
     local ver; ver="$(basename "$(dirname "$(pg_bin)")")"
-    local etc="/etc/postgresql/$ver/stockledger"
+    local cluster="${pg_cluster:-stockledger}"
+    local etc="/etc/postgresql/$ver/$cluster"
     if cmp -s "$state/tls/server.crt" "$etc/tls/server.crt" && [[ -f "$etc/conf.d/stock-ledger-tls.conf" ]]; then
       return
     fi
@@ -195,7 +220,7 @@ ensure_tls() {
     install -o postgres -g postgres -m 644 "$state/tls/server.crt" "$etc/tls/server.crt"
     printf "ssl = on\nssl_cert_file = '%s'\nssl_key_file = '%s'\nssl_min_protocol_version = 'TLSv1.2'\n" \
       "$etc/tls/server.crt" "$etc/tls/server.key" >"$etc/conf.d/stock-ledger-tls.conf"
-    pg_ctlcluster "$ver" stockledger reload
+    pg_ctlcluster "$ver" "$cluster" reload
   else
     psql_admin <<SQL
 ALTER SYSTEM SET ssl = on;
@@ -228,6 +253,402 @@ stop() {
   fi
 }
 
+# ------------------------------------------------------------------------------------------ HA pair (issue 30)
+
+IFS=, read -r HA_PORT_A HA_PORT_B <<<"${STOCK_LEDGER_HA_PORTS:-5441,5442}"
+REPLICATOR=stock_ledger_replicator
+REPLICATION_PASSWORD="${STOCK_LEDGER_REPLICATION_PASSWORD:-stock_ledger_replicator}"
+ha_state="$state/ha"
+# Small, fast nodes: tests create a database each and write a few thousand movements. wal_keep_size keeps enough WAL
+# for a standby that was stopped or re-attached to catch up without a replication slot (a slot left behind by a
+# dead standby would pin WAL forever).
+HA_CONF=$'listen_addresses = \'127.0.0.1\'\nmax_connections = 200\nwal_level = replica\nmax_wal_senders = 10\nwal_keep_size = 512MB\nhot_standby = on\n'
+
+pg_version() { basename "$(dirname "$(pg_bin)")"; }
+ha_port() { if [[ "$1" == a ]]; then echo "$HA_PORT_A"; else echo "$HA_PORT_B"; fi; }
+ha_other() { if [[ "$1" == a ]]; then echo b; else echo a; fi; }
+ha_cluster() { echo "stockledger_ha_$1"; }
+ha_datadir() {
+  if as_root; then echo "/var/lib/postgresql/$(pg_version)/$(ha_cluster "$1")"; else echo "$ha_state/$1/data"; fi
+}
+ha_exists() { [[ -f "$(ha_datadir "$1")/PG_VERSION" ]]; }
+ha_marker() { echo "$ha_state/$1.diverged"; }
+ha_hosts() { echo "127.0.0.1:$HA_PORT_A,127.0.0.1:$HA_PORT_B"; }
+ha_owner_url() {
+  echo "postgresql://stock_ledger:$OWNER_PASSWORD@$(ha_hosts)/stock_ledger?target_session_attrs=read-write"
+}
+ha_worker_url() {
+  echo "postgresql://stock_ledger_worker:$WORKER_PASSWORD@$(ha_hosts)/stock_ledger?target_session_attrs=read-write"
+}
+
+# Runs "$@" with the existing helpers (psql_admin, ready, ensure_roles, ensure_tls) pointed at one node.
+on_node() {
+  local node="$1"; shift
+  local PGPORT pg_cluster pg_socket_dir
+  PGPORT="$(ha_port "$node")"; pg_cluster="$(ha_cluster "$node")"; pg_socket_dir="$ha_state/$node/run"
+  "$@"
+}
+ha_sql() { local node="$1"; shift; on_node "$node" psql_admin -tA "$@"; }
+as_pg() { if as_root; then runuser -u postgres -- "$@"; else "$@"; fi; }
+
+# primary | standby | stopped | diverged (killed in a lossy failover) | absent
+ha_role() {
+  if ! ha_exists "$1"; then echo absent; return; fi
+  if ! on_node "$1" ready; then
+    if [[ -f "$(ha_marker "$1")" ]]; then echo diverged; else echo stopped; fi
+    return
+  fi
+  case "$(ha_sql "$1" -c 'SELECT pg_is_in_recovery()' 2>/dev/null)" in
+    t) echo standby ;; f) echo primary ;; *) echo stopped ;;
+  esac
+}
+
+# The running primary, or nothing.
+ha_primary() {
+  local n
+  for n in a b; do if [[ "$(ha_role "$n")" == primary ]]; then echo "$n"; return; fi; done
+}
+
+ha_options() {
+  local n="$1"
+  printf -- '-p %s -k %s -c cluster_name=%s -c ssl=on -c ssl_cert_file=%s -c ssl_key_file=%s %s' \
+    "$(ha_port "$n")" "$ha_state/$n/run" "$(ha_cluster "$n")" "$state/tls/server.crt" "$state/tls/server.key" \
+    "$(sed -E "s/^([a-z_]+) = '?([^']*)'?$/-c \1=\2/" <<<"$HA_CONF" | tr '\n' ' ')"
+}
+
+ha_wait_ready() {
+  local _
+  for _ in $(seq 1 60); do on_node "$1" ready && return; sleep 0.5; done
+  log "node $1 (port $(ha_port "$1")) did not accept connections within 30 s: see its log" \
+    "($(if as_root; then echo "/var/log/postgresql/postgresql-$(pg_version)-$(ha_cluster "$1").log"; else echo "$ha_state/$1/postgres.log"; fi))"
+  exit 1
+}
+
+ha_start_node() {
+  local n="$1"
+  log "starting node $n on port $(ha_port "$n")"
+  if as_root; then
+    pg_ctlcluster "$(pg_version)" "$(ha_cluster "$n")" start
+  else
+    mkdir -p "$ha_state/$n/run"
+    "$(pg_bin)/pg_ctl" -D "$(ha_datadir "$n")" -l "$ha_state/$n/postgres.log" -w -o "$(ha_options "$n")" start >/dev/null
+  fi
+  ha_wait_ready "$n"
+  if as_root; then on_node "$n" ensure_tls; fi
+}
+
+ha_stop_node() {
+  local n="$1"
+  if ! on_node "$n" ready; then return; fi
+  log "stopping node $n (fast shutdown: open transactions abort, sessions end)"
+  if as_root; then pg_ctlcluster "$(pg_version)" "$(ha_cluster "$n")" stop -m fast
+  else "$(pg_bin)/pg_ctl" -D "$(ha_datadir "$n")" -m fast -w stop >/dev/null; fi
+}
+
+ha_drop_node() {
+  local n="$1"
+  if as_root; then
+    if pg_lsclusters -h 2>/dev/null | awk -v c="$(ha_cluster "$n")" '$2 == c' | grep -q .; then
+      log "dropping node $n ($(pg_version)/$(ha_cluster "$n"))"
+      pg_dropcluster --stop "$(pg_version)" "$(ha_cluster "$n")"
+    fi
+  elif ha_exists "$n"; then
+    log "dropping node $n ($ha_state/$n)"
+    "$(pg_bin)/pg_ctl" -D "$(ha_datadir "$n")" -m immediate -w stop >/dev/null 2>&1 || true
+    rm -rf "${ha_state:?}/$n"
+  fi
+  rm -f "$(ha_marker "$n")"
+}
+
+ha_create_primary() {
+  local n="$1"
+  log "creating node $n as the primary, on port $(ha_port "$n")"
+  if as_root; then
+    local ver; ver="$(pg_version)"
+    pg_createcluster "$ver" "$(ha_cluster "$n")" --port "$(ha_port "$n")" -- \
+      --auth-local=peer --auth-host=scram-sha-256 >/dev/null
+    printf '%s' "$HA_CONF" >"/etc/postgresql/$ver/$(ha_cluster "$n")/conf.d/stock-ledger-ha.conf"
+  else
+    mkdir -p "$ha_state/$n/run"
+    "$(pg_bin)/initdb" -D "$(ha_datadir "$n")" -A trust -U "$(id -un)" >/dev/null
+  fi
+  ha_start_node "$n"
+  ha_ensure_primary_roles "$n"
+}
+
+ha_ensure_primary_roles() {
+  local password="${REPLICATION_PASSWORD//\'/\'\'}"
+  on_node "$1" ensure_roles
+  ha_sql "$1" <<SQL
+SET client_min_messages = warning;
+DO \$\$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$REPLICATOR') THEN
+    CREATE ROLE $REPLICATOR LOGIN REPLICATION;
+  END IF;
+END \$\$;
+ALTER ROLE $REPLICATOR PASSWORD '$password';
+SQL
+}
+
+# How standby $2 reaches primary $1; application_name names the standby in pg_stat_replication.
+ha_conninfo() {
+  echo "host=127.0.0.1 port=$(ha_port "$1") user=$REPLICATOR password=$REPLICATION_PASSWORD application_name=$(ha_cluster "$2")"
+}
+
+# Node $1, dropped if it exists, re-made as a standby of the running primary $2 (pg_basebackup -R).
+ha_make_standby() {
+  local s="$1" p="$2" dir
+  ha_drop_node "$s"
+  dir="$(ha_datadir "$s")"
+  log "making node $s a standby of node $p (pg_basebackup -R from port $(ha_port "$p"))"
+  if as_root; then
+    # Debian's configuration around the cluster (/etc/postgresql/...), then its data directory replaced by the copy
+    # (pg_createcluster adopts an existing directory only if it holds its own postgresql.conf).
+    local ver; ver="$(pg_version)"
+    pg_createcluster "$ver" "$(ha_cluster "$s")" --port "$(ha_port "$s")" -- \
+      --auth-local=peer --auth-host=scram-sha-256 >/dev/null
+    printf '%s' "$HA_CONF" >"/etc/postgresql/$ver/$(ha_cluster "$s")/conf.d/stock-ledger-ha.conf"
+    find "$dir" -mindepth 1 -delete
+  else
+    mkdir -p "$dir" "$ha_state/$s/run"; chmod 700 "$dir"
+  fi
+  as_pg env PGPASSWORD="$REPLICATION_PASSWORD" "$(pg_bin)/pg_basebackup" -d "$(ha_conninfo "$p" "$s")" -D "$dir" \
+    -R -X stream --checkpoint=fast
+  ha_start_node "$s"
+}
+
+# Points standby $1 at primary $2 (a reload applies primary_conninfo) and waits until it streams from it.
+ha_follow() {
+  local s="$1" p="$2" conninfo
+  conninfo="$(ha_conninfo "$p" "$s")"
+  ha_sql "$s" -c "ALTER SYSTEM SET primary_conninfo = '${conninfo//\'/\'\'}'" -c 'SELECT pg_reload_conf()' >/dev/null
+  ha_wait_streaming "$s" "$p" 20
+}
+
+ha_streaming() {
+  [[ "$(ha_sql "$2" -c "SELECT count(*) FROM pg_stat_replication
+    WHERE application_name = '$(ha_cluster "$1")' AND state = 'streaming'" 2>/dev/null)" == 1 ]]
+}
+
+ha_wait_streaming() {
+  local s="$1" p="$2" within="$3" i
+  for (( i = 0; i < within * 4; i++ )); do
+    if ha_streaming "$s" "$p"; then return 0; fi
+    sleep 0.25
+  done
+  return 1
+}
+
+ha_start() {
+  ensure_installed
+  ca_issue "$state/tls" server "IP:127.0.0.1"
+  mkdir -p "$ha_state"
+  if ! ha_exists a && ! ha_exists b; then ha_create_primary a; fi
+  local p s n
+  p="$(ha_primary)"
+  if [[ -z "$p" ]]; then
+    # No primary runs: start the one node that is not a standby and not diverged (never two).
+    local candidates=()
+    for n in a b; do
+      if [[ "$(ha_role "$n")" == stopped && ! -f "$(ha_datadir "$n")/standby.signal" ]]; then candidates+=("$n"); fi
+    done
+    if (( ${#candidates[@]} == 1 )); then
+      p="${candidates[0]}"; ha_start_node "$p"
+    elif (( ${#candidates[@]} == 2 )); then
+      log "both nodes were primaries (timelines diverged): 'scripts/postgres.sh ha rebuild' makes a fresh pair"; exit 1
+    else
+      log "no node can be the primary (only standbys or diverged nodes): 'scripts/postgres.sh ha rebuild'" \
+        "makes a fresh pair (or promote a standby by hand: pg_ctlcluster $(pg_version) <cluster> promote)"
+      exit 1
+    fi
+  fi
+  s="$(ha_other "$p")"
+  ha_ensure_primary_roles "$p"
+  case "$(ha_role "$s")" in
+    primary)
+      log "both nodes run as primaries (split brain): 'scripts/postgres.sh ha rebuild' makes a fresh pair"; exit 1 ;;
+    standby) ;;
+    stopped)
+      # A stopped node without standby.signal is an old primary: starting it would make a second primary.
+      if [[ -f "$(ha_datadir "$s")/standby.signal" ]]; then ha_start_node "$s"; else ha_make_standby "$s" "$p"; fi ;;
+    absent | diverged) ha_make_standby "$s" "$p" ;;
+  esac
+  if ! ha_streaming "$s" "$p" && ! ha_follow "$s" "$p"; then
+    log "node $s cannot follow node $p (a timeline it cannot replay): re-making it from node $p"
+    ha_make_standby "$s" "$p"
+    ha_wait_streaming "$s" "$p" 30 || { log "node $s does not stream from node $p: see both logs"; exit 1; }
+  fi
+  log "pair ready: node $p (port $(ha_port "$p")) primary, node $s (port $(ha_port "$s")) streaming from it;" \
+    "$(ha_owner_url | sed 's/:[^:@]*@/:***@/')"
+}
+
+ha_stop() {
+  local n
+  for n in a b; do if ha_exists "$n"; then ha_stop_node "$n"; fi; done
+}
+
+ha_status() {
+  local n role problem="" p=""
+  for n in a b; do
+    role="$(ha_role "$n")"
+    case "$role" in
+      primary)
+        p="$n"
+        echo "$n $(ha_port "$n") primary $(ha_sql "$n" -c "SELECT 'timeline ' || timeline_id FROM pg_control_checkpoint()")," \
+          "standbys streaming: $(ha_sql "$n" -c "SELECT coalesce(string_agg(application_name || ' (' || sync_state || ')', ', '), 'none')
+            FROM pg_stat_replication WHERE state = 'streaming'")" ;;
+      standby)
+        echo "$n $(ha_port "$n") standby $(ha_sql "$n" -c "SELECT coalesce((SELECT 'streaming from port ' || sender_port
+            FROM pg_stat_wal_receiver WHERE status = 'streaming'), 'not receiving WAL') || ', replayed up to ' ||
+            coalesce(pg_last_wal_replay_lsn()::text, '-')")" ;;
+      *) echo "$n $(ha_port "$n") $role" ;;
+    esac
+  done
+  if [[ -z "$p" ]]; then problem="no primary runs"
+  elif ! ha_streaming "$(ha_other "$p")" "$p"; then problem="node $(ha_other "$p") does not stream from the primary"
+  fi
+  if [[ -n "$problem" ]]; then echo "pair: degraded: $problem ('scripts/postgres.sh ha start' heals it)"; return 1; fi
+  echo "pair: healthy"
+}
+
+# The running primary and standby, or an error saying what to do.
+ha_pair() {
+  local p s
+  p="$(ha_primary)"
+  if [[ -z "$p" ]]; then log "no primary runs: 'scripts/postgres.sh ha start' first"; exit 1; fi
+  s="$(ha_other "$p")"
+  if [[ "$(ha_role "$s")" != standby ]]; then
+    log "node $s is not a running standby: 'scripts/postgres.sh ha start' first"; exit 1
+  fi
+  echo "$p $s"
+}
+
+ha_cut() {
+  local p s i
+  read -r p s < <(ha_pair)
+  log "cutting replication: node $s's walreceiver now points at port 1, node $p (primary) keeps committing"
+  ha_sql "$s" -c "ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1 application_name=$(ha_cluster "$s")'" \
+    -c 'SELECT pg_reload_conf()' >/dev/null
+  # Until the walsender is gone, WAL still flows: the cut is only done when the primary no longer sees the standby.
+  for (( i = 0; i < 80; i++ )); do
+    if [[ "$(ha_sql "$p" -c "SELECT count(*) FROM pg_stat_replication
+          WHERE application_name = '$(ha_cluster "$s")'")" == 0 ]]; then
+      log "replication cut: node $s receives no WAL; commits on node $p from now on exist only there"
+      return
+    fi
+    sleep 0.25
+  done
+  log "node $p still has a walsender for node $s after 20 s: the cut did not take; 'scripts/postgres.sh ha rebuild'"
+  exit 1
+}
+
+ha_failover() {
+  local lossy="" hold=4
+  while (( $# )); do
+    case "$1" in
+      --lossy) lossy=1 ;;
+      --hold) hold="${2:?--hold needs a number of seconds}"; shift ;;
+      *) log "unknown option $1: ha failover --lossy [--hold SECONDS]"; exit 2 ;;
+    esac
+    shift
+  done
+  if [[ -z "$lossy" ]]; then
+    log "only 'ha failover --lossy' exists (a failover that loses commits on purpose); 'ha switchover' loses none"
+    exit 2
+  fi
+  local p s pid lsn_p lsn_s lost
+  read -r p s < <(ha_pair)
+  ha_cut
+  log "holding node $p as primary for $hold s: what commits there now, the standby never sees"
+  sleep "$hold"
+  lsn_p="$(ha_sql "$p" -c 'SELECT pg_current_wal_lsn()')"
+  lsn_s="$(ha_sql "$s" -c 'SELECT coalesce(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn())')"
+  pid="$(head -n 1 "$(ha_datadir "$p")/postmaster.pid")"
+  log "kill -9 node $p (postmaster $pid and its children)"
+  touch "$(ha_marker "$p")"
+  # The postmaster and every backend at once, as a lost machine: no shutdown checkpoint, no last WAL sent.
+  # shellcheck disable=SC2046 # one PID per word
+  kill -9 "$pid" $(pgrep -P "$pid") 2>/dev/null || true
+  while on_node "$p" ready; do sleep 0.1; done
+  ha_promote "$s"
+  lost="$(ha_sql "$s" -c "SELECT pg_wal_lsn_diff('$lsn_p', '$lsn_s')")"
+  log "failover done: node $s (port $(ha_port "$s")) is the primary; at least $lost bytes of WAL from node $p" \
+    "are lost; node $p is left stopped (diverged): 'scripts/postgres.sh ha start' re-makes it as a standby"
+  echo "primary=$s port=$(ha_port "$s") lost_wal_bytes=$lost"
+}
+
+ha_promote() {
+  local n="$1" i
+  log "promoting node $n"
+  if as_root; then pg_ctlcluster "$(pg_version)" "$(ha_cluster "$n")" promote
+  else "$(pg_bin)/pg_ctl" -D "$(ha_datadir "$n")" -w promote >/dev/null; fi
+  for (( i = 0; i < 120; i++ )); do
+    if [[ "$(ha_sql "$n" -c 'SELECT pg_is_in_recovery()')" == f ]]; then
+      # A primary follows nobody; a later basebackup from it must not inherit a conninfo.
+      ha_sql "$n" -c 'ALTER SYSTEM RESET primary_conninfo' -c 'SELECT pg_reload_conf()' >/dev/null
+      return
+    fi
+    sleep 0.25
+  done
+  log "node $n is still in recovery 30 s after promote: see its log"; exit 1
+}
+
+ha_switchover() {
+  local p s checkpoint i
+  read -r p s < <(ha_pair)
+  if ! ha_streaming "$s" "$p"; then
+    log "node $s does not stream from node $p: a switchover now would lose commits; 'scripts/postgres.sh ha start' first"
+    exit 1
+  fi
+  # A clean shutdown ends with a checkpoint record that the walsender still sends to the standby.
+  ha_stop_node "$p"
+  checkpoint="$(as_pg "$(pg_bin)/pg_controldata" -D "$(ha_datadir "$p")" | sed -n 's/^Latest checkpoint location: *//p')"
+  log "node $p stopped at its shutdown checkpoint $checkpoint; waiting until node $s has replayed it"
+  for (( i = 0; ; i++ )); do
+    if [[ "$(ha_sql "$s" -c "SELECT pg_last_wal_replay_lsn() > '$checkpoint'")" == t ]]; then break; fi
+    if (( i >= 60 )); then
+      log "node $s did not replay node $p's shutdown checkpoint within 15 s: not promoting it;" \
+        "'scripts/postgres.sh ha start' starts node $p again as the primary"
+      exit 1
+    fi
+    sleep 0.25
+  done
+  ha_promote "$s"
+  log "re-attaching node $p as a standby of node $s"
+  as_pg touch "$(ha_datadir "$p")/standby.signal"
+  ha_start_node "$p"
+  if ! ha_follow "$p" "$s"; then
+    log "node $p cannot follow node $s: re-making it from node $s"
+    ha_make_standby "$p" "$s"
+    ha_wait_streaming "$p" "$s" 30 || { log "node $p does not stream from node $s: see both logs"; exit 1; }
+  fi
+  log "switchover done: node $s (port $(ha_port "$s")) is the primary, node $p streams from it"
+  echo "primary=$s port=$(ha_port "$s")"
+}
+
+ha_rebuild() {
+  ensure_installed
+  ha_drop_node a
+  ha_drop_node b
+  ha_start
+}
+
+ha() {
+  case "${1:-}" in
+    start) ha_start ;;
+    stop) ha_stop ;;
+    status) ha_status ;;
+    url) ha_owner_url ;;
+    worker-url) ha_worker_url ;;
+    switchover) ha_switchover ;;
+    cut) ha_cut ;;
+    failover) shift; ha_failover "$@" ;;
+    rebuild) ha_rebuild ;;
+    *) echo "usage: $0 ha start|stop|status|url|worker-url|switchover|cut|failover --lossy [--hold SECONDS]|rebuild" >&2
+       exit 2 ;;
+  esac
+}
+
 case "${1:-start}" in
   start) start ;;
   stop) stop ;;
@@ -237,5 +658,6 @@ case "${1:-start}" in
   url) owner_url ;;
   worker-url) worker_url ;;
   verify-full-url) verify_full_url ;;
-  *) echo "usage: $0 start|stop|restart|status|url|worker-url|verify-full-url" >&2; exit 2 ;;
+  ha) shift; ha "$@" ;;
+  *) echo "usage: $0 start|stop|restart|status|url|worker-url|verify-full-url|ha ..." >&2; exit 2 ;;
 esac

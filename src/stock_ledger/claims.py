@@ -171,6 +171,11 @@ class Claimer:
             log.warning("db.server_changed", before=self._server.describe(), after=server.describe(),
                         detail="a reconnect reached another server (a failover?): checking the stored offsets")
         self._server = server
+        await self.check_offsets(conn)
+
+    async def check_offsets(self, conn: asyncpg.Connection) -> None:
+        """Claim again each held partition whose stored offset is behind what this worker committed (see
+        `check_session`); also run while idle, when no batch guard would look (a restore on the same server)."""
         held = self._assignment.committed_positions
         if not held:
             return

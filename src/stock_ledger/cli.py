@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("stock_ledger.cli")
 
+# Every database failure (a refused login, an unknown database, a missing GRANT, no schema, an unreachable server)
+# exits 1 with one line from dberrors.explain; `run` against a database `migrate` has not prepared exits 2.
+EXIT_CODES: Final = ("exit codes: 0 success; 1 failure, one line saying the cause and the fix (every database "
+                     "error included: refused login, unknown database, missing GRANT, unreachable server); 2 bad "
+                     "configuration or usage; 3 `repair` only: some records are gone from Kafka; 130 interrupted; "
+                     "143 stopped by SIGTERM")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stock-ledger", description=__doc__.split("\n")[0])
@@ -46,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check the ledger against the topic; exit 0 only if all checks hold")
     verify.add_argument("--expect", type=int, default=None, help="expected number of rows in stock_movements")
     verify.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for lag 0")
+    verify.add_argument("--json", action="store_true",
+                        help="one JSON document on stdout instead of the table: ok, rows, distinct_sources, checks "
+                             "(name, ok, detail) and per-partition findings (missing, repeated, phantoms); same exit "
+                             "code")
     gaps = sub.add_parser("gaps", help="holes in the log the ledger moved past (ledger_gaps)",
                           description="Holes are offsets Kafka deleted (retention, delete-records) before they were "
                           "applied. `verify` fails while one is unacknowledged. Acknowledge after reconciling the "
@@ -98,6 +109,7 @@ def _operator_commands(parser: argparse.ArgumentParser, sub: argparse._SubParser
         sub.choices[name].epilog = environment_epilog((*names, *_COMMON_ENV))
     parser.epilog = "environment variables read by each command (see `stock-ledger <command> --help`):\n" + "\n".join(
         f"  {name}: {', '.join(names)}" for name, names in {**_ENVIRONMENT, **ENVIRONMENT}.items())
+    parser.epilog += "\n\n" + EXIT_CODES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -169,7 +181,7 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     if args.wait > 0 and not await wait_for_drain(settings, args.wait):
         print(f"verify: the ledger did not catch up within {args.wait:g}s; checking anyway", file=sys.stderr)
     report = await verify(settings, args.expect, scope=scope)
-    print(report.render())
+    print(json.dumps(report.as_dict()) if args.json else report.render())
     return 0 if report.ok else 1
 
 
@@ -270,13 +282,15 @@ def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 # Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write. No JIT: on a
 # 20M-movement ledger it spent 1.5-2.4 s compiling each 4-9 s scan, and the scans took as long without it
 # (scripts/bench_signals.py explain, README "Warehouse signals"): CPU for nothing on a shared server.
-CLI_SESSION: Final = {"application_name": "stock-ledger-cli", "default_transaction_read_only": "on", "jit": "off"}
+# SET after connecting, not sent as startup parameters (PgBouncer refuses those: clients.connect_database).
+CLI_SESSION: Final = {"default_transaction_read_only": "on", "jit": "off"}
 
 
 async def _read_only(settings: Settings) -> asyncpg.Connection:
-    from stock_ledger.clients import check_sslmode  # noqa: PLC0415
+    from stock_ledger.clients import connect_database  # noqa: PLC0415
 
-    return await asyncpg.connect(check_sslmode(settings), server_settings=CLI_SESSION)
+    # guard on: a read-only session of an operator is still one a planted object must not reach (schemaguard).
+    return await connect_database(settings, application_name="stock-ledger-cli", session=CLI_SESSION)
 
 
 async def _say_when_slow(after: float) -> None:
@@ -327,7 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _command_name(args: argparse.Namespace) -> str:
+    """`gaps list`, `offsets set`, `repair`...: what dberrors.explain bases its advice on."""
+    sub = next((getattr(args, a) for a in ("gaps_command", "action", "stock_command") if getattr(args, a, None)), "")
+    return f"{args.command} {sub}".strip()
+
+
+def _main(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one exit per outcome
     try:
         settings = load_settings(os.environ)
         logs.configure(settings.log_level, settings.log_format)
@@ -351,10 +371,18 @@ def _main(args: argparse.Namespace) -> int:
     except StockLedgerError as exc:
         log.error("fatal", error=str(exc), error_type=type(exc).__name__)
         return 1
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, KafkaError, OSError) as exc:
-        # Not retriable (bad password, unknown database, unreachable for too long...): say what, not where.
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # After the connect (a missing privilege, no schema...): the cause and the fix, one line (dberrors.py).
+        from stock_ledger.dberrors import explain  # noqa: PLC0415
+
+        url = load_settings(os.environ).database_url  # loaded once already: cannot fail now
+        log.error("fatal", error=explain(exc, url, _command_name(args)) or str(exc),
+                  error_type=type(exc).__name__, sqlstate=getattr(exc, "sqlstate", None))
+        return 1
+    except (KafkaError, OSError) as exc:
+        # Database sessions raise our own errors for these (clients.connect_database): this is Kafka, or the OS.
         log.error("fatal", error=str(exc) or repr(exc), error_type=type(exc).__name__,
-                  hint="check DATABASE_URL / KAFKA_BOOTSTRAP_SERVERS and that the services are up")
+                  hint="check KAFKA_BOOTSTRAP_SERVERS and that the broker is up")
         return 1
     except KeyboardInterrupt:
         return 130

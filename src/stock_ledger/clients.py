@@ -15,6 +15,7 @@ import hashlib
 import os
 import socket
 import ssl
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
@@ -29,8 +30,10 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 
+from stock_ledger import schemaguard
 from stock_ledger.config import SSLMODES, url_sslmode
-from stock_ledger.errors import ConfigError, ConnectionSecurityError
+from stock_ledger.dberrors import connect_error
+from stock_ledger.errors import ConfigError, ConnectionSecurityError, StockLedgerError
 
 if TYPE_CHECKING:
     import asyncio
@@ -133,10 +136,9 @@ def check_sslmode(settings: Settings, environ: Mapping[str, str] = os.environ) -
     return url
 
 
-def session_settings(settings: Settings, application_name: str) -> dict[str, str]:
-    """Server settings of a worker session: timeouts that keep a frozen peer from blocking the group forever."""
+def session_settings(settings: Settings) -> dict[str, str]:
+    """Settings of a worker session: timeouts that keep a frozen peer from blocking the group forever."""
     return {
-        "application_name": application_name,
         # A claim waiting on a zombie's row lock gives up (and retries) instead of stalling the rebalance.
         "lock_timeout": str(settings.lock_timeout_ms),
         # A worker frozen inside its transaction loses its session, so its row locks are released.
@@ -146,36 +148,81 @@ def session_settings(settings: Settings, application_name: str) -> dict[str, str
     }
 
 
-async def connect_database(settings: Settings, *, application_name: str = "stock-ledger",
-                           connect_timeout: float = 10) -> asyncpg.Connection:
-    """One session with the worker's timeouts; certificate and password failures raise one clear line."""
+# Session settings are SET after connecting, never sent as startup parameters: PgBouncer (1.18, by default) refuses
+# every startup parameter but a few it tracks itself, application_name among them, and with
+# ignore_startup_parameters it accepts the others only to drop them silently. One round trip sets them all and asks
+# for the backend's own process id, which behind a pooler is not the one the server's BackendKeyData gave the
+# client (`Connection.get_server_pid()` is then a number the pooler made up).
+_SET_SESSION: Final = """
+SELECT pg_backend_pid(), count(set_config(name, value, false)) FROM unnest($1::text[], $2::text[]) AS s(name, value)
+"""
+_PID: Final = "SELECT pg_backend_pid()"
+_backend_pids: weakref.WeakKeyDictionary[asyncpg.Connection, int] = weakref.WeakKeyDictionary()
+
+
+async def connect_database(  # noqa: PLR0913 - every caller sets a different one of these
+    settings: Settings, *, application_name: str = "stock-ledger", connect_timeout: float = 10,
+    session: Mapping[str, str] | None = None, statement_cache_size: int = 100, guard: bool = True,
+) -> asyncpg.Connection:
+    """One session with the worker's timeouts (or `session`'s settings); a failed connect, and a pooler refusing a
+    startup parameter, raise one clear line (dberrors.explain).
+
+    Its search_path is pinned, and unless `guard` is off (the worker's own sessions) it refuses a schema a
+    less-privileged role could have planted objects in (schemaguard.py)."""
     url = check_sslmode(settings)
+    values = session_settings(settings) if session is None else session
     try:
-        return await asyncpg.connect(url, timeout=connect_timeout,
-                                     server_settings=session_settings(settings, application_name))
+        conn = await asyncpg.connect(url, timeout=connect_timeout, statement_cache_size=statement_cache_size,
+                                     server_settings={"application_name": application_name})
     except Exception as exc:
-        problem = _database_problem(exc)
+        problem = _database_problem(exc, url)
         if problem is None:
             raise
         raise problem from None
+    try:
+        row = await conn.fetchrow(_SET_SESSION, list(values), list(values.values()))
+        await (schemaguard.secure(conn) if guard else schemaguard.pin(conn))
+    except BaseException:
+        conn.terminate()
+        raise
+    assert row is not None  # noqa: S101 - an aggregate without GROUP BY returns one row
+    _backend_pids[conn] = row[0]
+    return conn
+
+
+async def backend_pid(conn: asyncpg.Connection) -> int:
+    """The process id of the server backend this session runs on (as pg_stat_activity and pg_blocking_pids name it),
+    asked once per session: connect_database already knows it."""
+    pid = _backend_pids.get(conn)
+    if pid is None:
+        pid = _backend_pids[conn] = int(await conn.fetchval(_PID))
+    return pid
 
 
 async def create_database_pool(settings: Settings, *, application_name: str, max_size: int = 1) -> asyncpg.Pool:
     """A small pool (metrics, checks) under the same sslmode rule; connections open lazily."""
+    # setup, not init: a released connection is RESET ALL, which would undo the pinned search_path.
     return await asyncpg.create_pool(check_sslmode(settings), min_size=0, max_size=max_size, timeout=5,
-                                     server_settings={"application_name": application_name})
+                                     server_settings={"application_name": application_name}, setup=schemaguard.pin)
 
 
-def _database_problem(exc: BaseException) -> ConnectionSecurityError | None:
-    """A failed connect that a retry cannot fix, as one clear line; None for anything else."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ConnectionSecurityError(_certificate_problem("PostgreSQL", "DATABASE_URL's host", exc,
-                                                            "the URL's sslrootcert", "use sslmode=verify-ca"))
-    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
-        # Covers a wrong password (28P01) and a pg_hba rejection (28000); the server's message names the user only.
-        return ConnectionSecurityError(f"PostgreSQL refused the login: {exc}. Check the user and password in "
-                                       "DATABASE_URL (or DATABASE_URL_FILE)")
-    return None
+def refused_startup_parameter(exc: BaseException) -> ConfigError | None:
+    """A pooler (PgBouncer) refusing a startup parameter, as the configuration error it is; None for anything else.
+
+    The refusal arrives as ProtocolViolationError (SQLSTATE 08P01, a connection exception), which would otherwise be
+    retried as a lost connection: forever with STOCK_LEDGER_RETRY_DEADLINE_SECONDS=0."""
+    if not isinstance(exc, asyncpg.ProtocolViolationError) or "unsupported startup parameter" not in str(exc):
+        return None
+    return ConfigError(
+        f"the server refused a startup parameter ({exc}): DATABASE_URL leads to a connection pooler (PgBouncer) "
+        "that accepts only the parameters it knows. stock-ledger sends application_name only; a parameter in "
+        "DATABASE_URL's query string is sent as one too. Remove it from DATABASE_URL, or set "
+        "ignore_startup_parameters = <that parameter> in pgbouncer.ini, or connect to PostgreSQL directly")
+
+
+def _database_problem(exc: BaseException, url: str) -> StockLedgerError | None:
+    """A failed connect as one clear line; None for anything else (a pooler's refusal, else dberrors.connect_error)."""
+    return refused_startup_parameter(exc) or connect_error(exc, url)
 
 
 def make_consumer(settings: Settings) -> AIOKafkaConsumer:
@@ -205,7 +252,7 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
 async def connect_worker(settings: Settings) -> asyncpg.Connection:
     """The worker's session; its application_name names the group, so a claim can tell a zombie of its own group
     among the sessions that block it (sink.Unblock)."""
-    return await connect_database(settings, application_name=session_name(settings.group_id))
+    return await connect_database(settings, application_name=session_name(settings.group_id), guard=False)
 
 
 def session_name(group_id: str) -> str:

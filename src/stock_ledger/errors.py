@@ -3,6 +3,10 @@
     StockLedgerError                 base: fatal for the process (exit 1, one log line saying what to do)
     ├── ConfigError                  bad configuration: exit code 2, one line naming the variable
     ├── ConnectionSecurityError      wrong credentials or an unverifiable certificate: fatal at once, one line
+    ├── DatabaseError                the database refused us for a reason a retry cannot fix (unknown database,
+    │                                missing privilege, planted objects): fatal at once, one line (dberrors.py)
+    ├── DatabaseUnreachableError     PostgreSQL did not answer (refused, unresolvable, timeout); also an OSError,
+    │                                so the worker retries it like any transient fault
     ├── FencedError                  another worker claimed the partition since we did: stop writing it
     ├── OffsetMismatchError          the stored offset is not where this worker expects it (the database went back
     │                                in time, or someone moved it): claim again and re-apply from Kafka
@@ -10,8 +14,9 @@
     │   └── CoordinateConflictError  the unique constraint on Kafka coordinates fired (the backstop)
     └── RetryDeadlineExceeded        a transient fault lasted longer than STOCK_LEDGER_RETRY_DEADLINE_SECONDS
 
-None of these is retried. Transient database and broker faults are the libraries' own exceptions;
-`retry.transient_cause` classifies them and `retry.Retrier` is the one path that retries them.
+None of these is retried but DatabaseUnreachableError. Other transient database and broker faults are the
+libraries' own exceptions; `retry.transient_cause` classifies them and `retry.Retrier` is the one path that retries
+them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ class ConfigError(StockLedgerError):
 
 class ConnectionSecurityError(StockLedgerError):
     """Authentication or certificate verification failed: retrying cannot help, so never retried."""
+
+
+class DatabaseError(StockLedgerError):
+    """Retrying cannot help: the message (dberrors.explain) says what to change."""
+
+
+class DatabaseUnreachableError(StockLedgerError, OSError):
+    """Transient for the worker (retry.transient_cause sees an OSError); a command reports it and exits 1."""
 
 
 class FencedError(StockLedgerError):

@@ -22,9 +22,9 @@ Why the stored offsets are a watermark that never skips a row, where a watermark
 would: a partition is applied by one owner at a time (the claim's epoch fences any other), in offset order, and a
 batch's rows and its partition's new next_offset become visible in the same commit. So in any snapshot, the rows
 of a partition below its stored next_offset are all there and no row below it can appear later (a batch only
-writes at or above the stored offset, or is refused as an OffsetRegressionError). applied_at = now() is the start
-of each transaction and a sequence value is taken before commit: two workers' batches commit out of that order,
-and a row committed late would fall below a watermark already passed.
+writes from exactly the stored offset on, or is refused by the exact guard: OffsetMismatchError). applied_at =
+now() is the start of each transaction and a sequence value is taken before commit: two workers' batches commit
+out of that order, and a row committed late would fall below a watermark already passed.
 
 Two things break "no row below it can appear later", and each check handles both:
 

@@ -8,6 +8,7 @@ alerting and to bury the lines that say what is wrong.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import threading
@@ -169,7 +170,8 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
             structlog.tracebacks.ExceptionDictTransformer(show_locals=False)))
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer()
+        # https://no-color.org: NO_COLOR set to any non-empty value turns colour off.
+        renderer = structlog.dev.ConsoleRenderer(colors=not os.environ.get("NO_COLOR"))
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),

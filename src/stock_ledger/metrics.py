@@ -26,7 +26,7 @@ from prometheus_client.utils import floatToGoString
 from stock_ledger.domain import RejectCode
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 _P = "stock_ledger_"
 _RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race")
@@ -92,30 +92,50 @@ class BatchHistogram(Collector):
         yield family
 
 
+class LeaderOnly(Collector):
+    """The gauges only the monitor leader may export (positions.py): registered on a registry of their own and
+    collected only while this pod leads. A pod that lost the lease (frozen, then thawed; a failover) would otherwise
+    keep exporting its last values beside the leader's, and `max by`/`min by` would keep or hide an alert."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.inner = CollectorRegistry()
+        self.leading = False
+        registry.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        return self.inner.collect()  # the names, so a collision with the outer registry's is refused
+
+    def collect(self) -> Iterator[Metric]:
+        if self.leading:
+            yield from self.inner.collect()
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         part = ["group", "topic", "partition"]
+        self._leader = LeaderOnly(registry)
+        leader = self._leader.inner
         # The process (RSS, CPU, open files) and Python's garbage collector, as every client_python service has.
         ProcessCollector(registry=registry)
         GCCollector(registry=registry)
         PlatformCollector(registry=registry)
         # Positions, refreshed on a timer from Kafka and PostgreSQL (positions.py).
         self.db_offset = Gauge(_P + "partition_db_offset", "Next offset to apply, stored in PostgreSQL.", part,
-                               registry=registry)
+                               registry=leader)
         self.log_end_offset = Gauge(_P + "partition_log_end_offset", "Log end offset of the partition in Kafka.",
-                                    part, registry=registry)
+                                    part, registry=leader)
         self.kafka_committed_offset = Gauge(_P + "partition_kafka_committed_offset",
                                             "The group's committed offset in Kafka (advisory).", part,
-                                            registry=registry)
+                                            registry=leader)
         self.lag = Gauge(_P + "partition_lag_messages", "Log end offset minus the PostgreSQL offset.", part,
-                         registry=registry)
+                         registry=leader)
         self.drift = Gauge(_P + "partition_offset_drift_messages",
                            "PostgreSQL offset minus Kafka's committed offset; negative means the seek path is broken.",
-                           part, registry=registry)
+                           part, registry=leader)
         self.lag_seconds = Gauge(_P + "partition_lag_seconds",
                                  "Age of the oldest unapplied record (now - its Kafka timestamp); 0 when caught up.",
-                                 part, registry=registry)
+                                 part, registry=leader)
         self.monitor_leader = Gauge(_P + "monitor_leader",
                                     "1 on the one pod of the group that runs the lag/drift timer and the ledger checks "
                                     "(it holds the advisory-lock lease); the partition gauges come from it.",
@@ -123,7 +143,7 @@ class Metrics:
         self.gap = Gauge(_P + "partition_gap_messages",
                          "Records between the PostgreSQL offset and the log that can never be applied: below the log "
                          "start (retention, deleted records) or past its end (topic recreated). Non-zero: a hole.",
-                         part, registry=registry)
+                         part, registry=leader)
         self.assigned_partitions = Gauge(_P + "assigned_partitions", "Partitions claimed by this worker.",
                                          registry=registry)
         self.ready = Gauge(_P + "ready", "1 when connected and every assigned partition is claimed.",
@@ -174,27 +194,27 @@ class Metrics:
         self.coordinates_unique = Gauge(
             _P + "ledger_coordinates_unique",
             "1 while the unique constraint on (kafka_topic, kafka_partition, kafka_offset) is present and valid.",
-            registry=registry)
+            registry=leader)
         self.partitions_ahead = Gauge(_P + "ledger_partitions_ahead_of_offset",
                                       "Partitions holding a row at or beyond their stored next offset.",
-                                      registry=registry)
+                                      registry=leader)
         self.invariant_check = Histogram(
             _P + "invariant_check_duration_seconds", "Duration of an invariant check, by scope.", ["scope"],
             registry=registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
         self.level_mismatches = Gauge(_P + "ledger_stock_level_mismatches",
                                       "stock_levels rows that differ from the sum of their movements.",
-                                      registry=registry)
+                                      registry=leader)
         self.missing_records = Gauge(_P + "ledger_missing_records",
                                      "Records below a stored offset in neither stock_movements nor rejected_movements "
-                                     "(Kafka holds them: a hole in the ledger), as last found.", registry=registry)
+                                     "(Kafka holds them: a hole in the ledger), as last found.", registry=leader)
         # Warehouse signals, on the position timer from the partial index of negative levels (positions.py).
-        # Every pod exports the same whole-ledger value: aggregate with max.
+        # The leader exports the whole-ledger value: aggregate with max.
         self.negative_stock_levels = Gauge(_P + "negative_stock_levels",
-                                           "(warehouse, sku) pairs whose on_hand is below zero.", registry=registry)
+                                           "(warehouse, sku) pairs whose on_hand is below zero.", registry=leader)
         self.negative_stock_units = Gauge(_P + "negative_stock_units",
                                           "Sum of the deficits of the pairs below zero, as a positive number.",
-                                          registry=registry)
+                                          registry=leader)
         self.build_info = Gauge(_P + "build_info", "Versions of stock-ledger and its drivers.",
                                 ["version", "python", "aiokafka", "asyncpg"], registry=registry)
         self.build_info.labels(_version("stock-ledger"), platform.python_version(), _version("aiokafka"),
@@ -204,9 +224,27 @@ class Metrics:
             self.rejected.labels(code.value)
         for cause in _RETRY_CAUSES:
             self.retries.labels(cause)
-        self.coordinates_unique.set(1)  # until a check says otherwise: absent is not broken
+        self._reset_leader_view()
         for scope in ("baseline", "incremental", "full"):
             self.invariant_check.labels(scope)
+
+    def lead(self, *, leading: bool) -> None:
+        """Whether this pod holds the monitor lease: its gauges are exported only while it does. On every change
+        the leader's gauges start afresh (nothing from an earlier term, nor from a refresh that finished after the
+        lease was lost, is exported as current)."""
+        self.monitor_leader.set(1 if leading else 0)
+        if leading != self._leader.leading:
+            self._reset_leader_view()
+            self._leader.leading = leading
+
+    def _reset_leader_view(self) -> None:
+        for gauge in (self.db_offset, self.log_end_offset, self.kafka_committed_offset, self.lag, self.drift,
+                      self.lag_seconds, self.gap):
+            gauge.clear()
+        for value in (self.partitions_ahead, self.level_mismatches, self.missing_records,
+                      self.negative_stock_levels, self.negative_stock_units):
+            value.set(0)
+        self.coordinates_unique.set(1)  # until a check says otherwise: absent is not broken
 
     def batch_committed(self, applied: int, rejected: Mapping[str, int], records: int, seconds: float,
                         timestamps_ms: Sequence[int]) -> None:

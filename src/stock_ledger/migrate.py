@@ -18,12 +18,21 @@ from typing import Final
 import asyncpg
 import structlog
 
-from stock_ledger.errors import ConfigError, LedgerIntegrityError, StockLedgerError
+from stock_ledger import schemaguard
+from stock_ledger.clients import refused_startup_parameter
+from stock_ledger.dberrors import explain
+from stock_ledger.errors import (
+    ConfigError,
+    ConnectionSecurityError,
+    DatabaseError,
+    LedgerIntegrityError,
+    StockLedgerError,
+)
 
 log = structlog.get_logger(__name__)
 
 # Raise this when a migration is added: the worker refuses to run against an older schema.
-SCHEMA_VERSION: Final = 8
+SCHEMA_VERSION: Final = 9
 # pg_advisory_lock key: "stock-ledger migrate" as a stable 63-bit number.
 _LOCK_KEY: Final = int.from_bytes(hashlib.sha256(b"stock-ledger migrate").digest()[:8], "big") >> 1
 _FILE: Final = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
@@ -92,16 +101,22 @@ async def _connect(database_url: str, options: MigrateOptions, started: float) -
     attempt = 0
     while True:
         try:
-            return await asyncpg.connect(database_url, timeout=10)
-        except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError):
-            raise
+            conn = await asyncpg.connect(database_url, timeout=10)
+        except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError) as exc:
+            problem = ConnectionSecurityError if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError) \
+                else DatabaseError
+            raise problem(explain(exc, database_url, "migrate")) from None
         except _DB_NOT_UP as exc:
+            refused = refused_startup_parameter(exc)
+            if refused is not None:
+                raise refused from None
             attempt += 1
             waited = time.monotonic() - started
             if waited > options.deadline_seconds:
-                raise StockLedgerError(
+                raise DatabaseError(
                     f"the database did not accept connections within {options.deadline_seconds:g}s "
-                    f"(STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS); last error {type(exc).__name__}: {exc}. "
+                    f"(STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS); last error: "
+                    f"{explain(exc, database_url, 'migrate') or f'{type(exc).__name__}: {exc}'}. "
                     "Check DATABASE_URL's host and port and that PostgreSQL is up"
                 ) from exc
             delay = _delay(attempt)
@@ -109,6 +124,16 @@ async def _connect(database_url: str, options: MigrateOptions, started: float) -
                      deadline_seconds=options.deadline_seconds, retry_in_seconds=round(delay, 1),
                      error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(delay)
+            continue
+        try:
+            # Pinned search_path, and no migration runs objects a less-privileged role planted (schemaguard.py);
+            # that a role other than the owner may still CREATE in public is what 0009 fixes, so not refused here.
+            await schemaguard.pin(conn)
+            await schemaguard.check(conn, writers=False)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
 
 
 def _delay(attempt: int) -> float:

@@ -34,11 +34,13 @@ from aiokafka.admin import AIOKafkaAdminClient
 from stock_ledger import pgtime
 from stock_ledger.batch import M_ID, M_OFFSET, M_PARTITION, M_TOPIC
 from stock_ledger.clients import connect_database, kafka_options
+from stock_ledger.dberrors import explain
 from stock_ledger.domain import Movement, RejectCode, parse
 from stock_ledger.errors import ConfigError, StockLedgerError
 from stock_ledger.progress import Progress
 from stock_ledger.sink import add_levels
 from stock_ledger.topics import partitions_of
+from stock_ledger.verify import parse_partitions
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -84,22 +86,27 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     show = _command(osub, "show", "offsets", "per partition: stored offset, epoch, owner, log start/end, lag, any gap")
     move = _command(
         osub, "set", "offsets",
-        "move one partition's stored offset (skip a hole, skip records, or go back to unapplied ones)",
-        "Moves one partition's next offset in consumer_offsets and bumps its epoch, so running workers are\n"
-        "fenced and re-read it. Refuses while the group has live members unless --force. Moving forward\n"
+        "move partitions' stored offsets (skip a hole, skip records, or go back to unapplied ones)",
+        "Moves each named partition's next offset in consumer_offsets and bumps its epoch, so running workers\n"
+        "are fenced and re-read it. Refuses while the group has live members unless --force. Moving forward\n"
         "records the skipped range in ledger_gaps as acknowledged by you (reason operator_skip, --note).\n"
         "Moving below the highest applied or quarantined offset + 1 is refused: those records would be\n"
-        "applied twice. Run it as the owner role.")
-    move.add_argument("--partition", type=int, required=True)
+        "applied twice. Refused for a group whose database holds another group's ledger (a typo would stop\n"
+        "every worker). Prints the plan, then the result; one refused partition moves none. Several\n"
+        'partitions (--partition 1,2,5, or repeated): --json gives {"changes": [...]}. Run it as the owner role.')
+    move.add_argument("--partition", action="append", required=True, metavar="P[,P...]",
+                      help="the partition(s) to move (repeatable, or a comma-separated list)")
     target = move.add_mutually_exclusive_group(required=True)
     target.add_argument("--offset", type=int, help="the next offset to apply")
     target.add_argument("--to-log-start", action="store_true", help="the partition's current log start offset")
+    target.add_argument("--to-log-end", action="store_true",
+                        help="the partition's current log end offset (skips everything not yet applied)")
     target.add_argument("--to-timestamp", metavar="T",
                         help="the first offset with a record timestamp >= T (RFC 3339, e.g. 2026-11-30T08:00:00Z)")
     move.add_argument("--note", default=None, help="why (required when skipping records; stored in ledger_gaps)")
     move.add_argument("--force", action="store_true",
                       help="act although workers are in the group (they are fenced, exit and re-claim)")
-    move.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    move.add_argument("--dry-run", action="store_true", help="show the plan, change nothing")
 
     rejected = _command(sub, "rejected", "rejected", "list, show and replay quarantined records (rejected_movements)")
     rsub = rejected.add_subparsers(dest="action", required=True)
@@ -168,8 +175,8 @@ def handler(settings: Settings, args: argparse.Namespace) -> Callable[[], Corout
             print(f"{name}: {exc}", file=sys.stderr)
             return 1
         except asyncpg.InsufficientPrivilegeError as exc:
-            print(f"{name}: {exc}: operator commands run as the owner role "
-                  "(the DATABASE_URL of `stock-ledger migrate`)", file=sys.stderr)
+            command_name = " ".join(part for part in (args.command, args.action) if part)
+            print(f"{name}: {explain(exc, settings.database_url, command_name)}", file=sys.stderr)
             return 1
 
     return refusals_on_stderr
@@ -325,9 +332,20 @@ async def offsets_show(settings: Settings, *, as_json: bool) -> int:
 
 # ------------------------------------------------------------------------------------------------ offsets set
 
+# A partition never claimed has no row to lock: a placeholder row is inserted first (epoch 0: the move makes it 1, as
+# a first claim would), so a claim of that partition (its INSERT ... ON CONFLICT) waits for this transaction and
+# then bumps the epoch past ours, and a batch cannot commit between the floor check and the move. Done partition by
+# partition in order, as claims and batches lock rows, so they never deadlock. A dry run rolls the row back.
+_PLACEHOLD: Final = """
+INSERT INTO consumer_offsets (group_id, topic, partition, epoch) VALUES ($1, $2, $3, 0)
+ON CONFLICT (group_id, topic, partition) DO NOTHING
+RETURNING partition
+"""
 _LOCK_OFFSET: Final = """
 SELECT next_offset, epoch FROM consumer_offsets WHERE group_id = $1 AND topic = $2 AND partition = $3 FOR UPDATE
 """
+# As the claim asks (sink.Ledger.claim): the ledger belongs to the one group that has rows here.
+_OTHER_GROUP: Final = "SELECT group_id FROM consumer_offsets WHERE group_id <> $1 LIMIT 1"
 # The lowest offset the partition may be moved to: everything below is in the ledger (applied or quarantined).
 _FLOOR: Final = """
 SELECT greatest(
@@ -364,29 +382,92 @@ async def transaction(conn: asyncpg.Connection, *, commit: bool) -> AsyncIterato
     await (transaction.commit() if commit else transaction.rollback())
 
 
-async def _target(settings: Settings, args: argparse.Namespace) -> tuple[int, LogBounds]:
+async def _targets(settings: Settings, args: argparse.Namespace) -> dict[int, tuple[int, LogBounds]]:
+    """Per named partition: the offset to move to, and the log's bounds."""
+    wanted = sorted(parse_partitions(args.partition) or ())
+    if not wanted:
+        raise ConfigError("--partition: name at least one partition")
     partitions = await partitions_of(settings.kafka_bootstrap_servers, settings.topic, options=kafka_options(settings))
-    if args.partition not in partitions:
-        raise OperatorError(f"topic {settings.topic} has no partition {args.partition} (it has {len(partitions)})")
+    if unknown := [p for p in wanted if p not in partitions]:
+        raise OperatorError(f"topic {settings.topic} has no partition {', '.join(map(str, unknown))} "
+                            f"(it has {len(partitions)})")
     stamp = None
     if args.to_timestamp is not None:
         stamp = int(parse_time(args.to_timestamp, "--to-timestamp").timestamp() * 1000)
-    bounds, at = await _log_bounds(settings, [args.partition], stamp)
-    log = bounds[args.partition]
-    if args.to_log_start:
-        return log.start, log
-    if stamp is not None:
-        found = at.get(args.partition)
-        return (found if found is not None else log.end), log
-    if not log.start <= args.offset <= log.end:
+    bounds, at = await _log_bounds(settings, wanted, stamp)
+    targets: dict[int, tuple[int, LogBounds]] = {}
+    for p in wanted:
+        log = bounds[p]
+        if args.to_log_start:
+            targets[p] = log.start, log
+        elif args.to_log_end:
+            targets[p] = log.end, log
+        elif stamp is not None:
+            found = at.get(p)
+            targets[p] = (found if found is not None else log.end), log
+        elif not log.start <= args.offset <= log.end:
+            raise OperatorError(
+                f"--offset {args.offset} is outside the log of partition {p} [{log.start}, {log.end}]: "
+                "records below the log start no longer exist (use --to-log-start) and none exist past the end")
+        else:
+            targets[p] = int(args.offset), log
+    return targets
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One partition's move, decided under its row lock."""
+
+    partition: int
+    target: int
+    log: LogBounds
+    before: int | None
+    epoch_before: int | None
+    start: int  # the first offset a forward move skips
+
+    @property
+    def skipped(self) -> int:
+        return max(0, self.target - self.start)
+
+
+async def _plan(conn: asyncpg.Connection, settings: Settings, targets: dict[int, tuple[int, LogBounds]],
+                note: str | None) -> list[_Step]:
+    """Lock every named partition's row (in order), check each move; one refusal refuses them all."""
+    other = await conn.fetchval(_OTHER_GROUP, settings.group_id)
+    if other is not None:
         raise OperatorError(
-            f"--offset {args.offset} is outside the log of partition {args.partition} [{log.start}, {log.end}]: "
-            "records below the log start no longer exist (use --to-log-start) and none exist past the end")
-    return int(args.offset), log
+            f"this database holds the ledger of consumer group {other!r}, not {settings.group_id!r}: a row for "
+            f"{settings.group_id!r} would stop every worker of {other!r} (their claims refuse a second group). "
+            "Set STOCK_LEDGER_GROUP_ID to the group that owns it (`offsets show` there shows its partitions)")
+    steps = []
+    for p, (target, log) in sorted(targets.items()):
+        fresh = await conn.fetchval(_PLACEHOLD, settings.group_id, settings.topic, p) is not None
+        locked = await conn.fetchrow(_LOCK_OFFSET, settings.group_id, settings.topic, p)
+        floor = int(await conn.fetchval(_FLOOR, settings.topic, p))
+        if target < floor:
+            raise OperatorError(
+                f"refusing to move partition {p} to {target}: offsets up to {floor - 1} are already "
+                f"in the ledger (applied or quarantined) and would be applied twice; the lowest allowed is {floor}")
+        before = locked["next_offset"]
+        start = before if before is not None else floor
+        if target > start and not note:
+            raise ConfigError(f"moving partition {p} forward skips records {start}..{target - 1}: "
+                              "say why with --note (it is stored with the acknowledged gap)")
+        steps.append(_Step(p, target, log, before, None if fresh else locked["epoch"], start))
+    return steps
+
+
+def _render_plan(settings: Settings, steps: Sequence[_Step], members: int, *, dry_run: bool) -> str:
+    head = (f"plan{' (dry run: nothing changes)' if dry_run else ''}: {settings.topic}, group {settings.group_id}"
+            + (f", {members} live member(s) to fence" if members else ""))
+    return head + "\n" + _table(
+        ["partition", "next_offset", "->", "log_start", "log_end", "skipped", "gap"],
+        [[x.partition, "-" if x.before is None else x.before, x.target, x.log.start, x.log.end, x.skipped,
+          f"{x.start}..{x.target - 1}" if x.skipped else ""] for x in steps])
 
 
 async def offsets_set(settings: Settings, args: argparse.Namespace) -> int:
-    target, log = await _target(settings, args)
+    targets = await _targets(settings, args)
     group = await describe_group(settings)
     if group.members and not args.force:
         raise OperatorError(
@@ -394,38 +475,41 @@ async def offsets_set(settings: Settings, args: argparse.Namespace) -> int:
             "stop the workers first (e.g. kubectl scale --replicas=0), or pass --force to fence them "
             "(their next batch on the partition is refused; they exit and claim it again at the new offset)")
     conn = await _owner(settings)
-    change: dict[str, Any] = {}
+    changes: list[dict[str, Any]] = []
     try:
         async with transaction(conn, commit=not args.dry_run):
-            locked = await conn.fetchrow(_LOCK_OFFSET, settings.group_id, settings.topic, args.partition)
-            floor = int(await conn.fetchval(_FLOOR, settings.topic, args.partition))
-            if target < floor:
-                raise OperatorError(
-                    f"refusing to move partition {args.partition} to {target}: offsets up to {floor - 1} are already "
-                    f"in the ledger (applied or quarantined) and would be applied twice; the lowest allowed is {floor}")
-            before = locked["next_offset"] if locked else None
-            start = before if before is not None else floor
-            if target > start and not args.note:
-                raise ConfigError(f"moving partition {args.partition} forward skips records {start}..{target - 1}: "
-                                  "say why with --note (it is stored with the acknowledged gap)")
-            epoch = await conn.fetchval(_MOVE, settings.group_id, settings.topic, args.partition, target)
-            change = {
-                "topic": settings.topic, "group": settings.group_id, "partition": args.partition,
-                "next_offset_before": before, "next_offset_after": target,
-                "epoch_before": locked["epoch"] if locked else None, "epoch_after": epoch,
-                "log_start": log.start, "log_end": log.end, "live_members_fenced": len(group.members),
-                "gap": None, "dry_run": bool(args.dry_run),
-            }
-            if target > start:
-                gap = await conn.fetchrow(_RECORD_GAP, settings.group_id, settings.topic, args.partition, start,
-                                          target - 1, OPERATOR_SKIP, args.note)
-                change["gap"] = {"id": gap["id"], "first_offset": start, "last_offset": target - 1,
-                                 "records": target - start, "acknowledged_by": gap["acknowledged_by"],
-                                 "note": args.note}
+            steps = await _plan(conn, settings, targets, args.note)
+            if not args.json:
+                # Shown before anything moves (the rows stay locked meanwhile; the moves follow at once).
+                print(_render_plan(settings, steps, len(group.members), dry_run=bool(args.dry_run)), flush=True)
+            changes = [await _move(conn, settings, x, args, len(group.members)) for x in steps]
     finally:
         await conn.close()
-    _emit(change, _describe_change(change), as_json=args.json)
+    if len(changes) == 1:
+        _emit(changes[0], _describe_change(changes[0]), as_json=args.json)
+    else:
+        _emit({"topic": settings.topic, "group": settings.group_id, "dry_run": bool(args.dry_run),
+               "changes": changes}, "\n".join(_describe_change(c) for c in changes), as_json=args.json)
     return 0
+
+
+async def _move(conn: asyncpg.Connection, settings: Settings, x: _Step, args: argparse.Namespace,
+                members: int) -> dict[str, Any]:
+    note, dry_run = args.note, bool(args.dry_run)
+    epoch = await conn.fetchval(_MOVE, settings.group_id, settings.topic, x.partition, x.target)
+    change: dict[str, Any] = {
+        "topic": settings.topic, "group": settings.group_id, "partition": x.partition,
+        "next_offset_before": x.before, "next_offset_after": x.target,
+        "epoch_before": x.epoch_before, "epoch_after": epoch,
+        "log_start": x.log.start, "log_end": x.log.end, "live_members_fenced": members,
+        "gap": None, "dry_run": dry_run,
+    }
+    if x.skipped:
+        gap = await conn.fetchrow(_RECORD_GAP, settings.group_id, settings.topic, x.partition, x.start,
+                                  x.target - 1, OPERATOR_SKIP, note)
+        change["gap"] = {"id": gap["id"], "first_offset": x.start, "last_offset": x.target - 1,
+                         "records": x.skipped, "acknowledged_by": gap["acknowledged_by"], "note": note}
+    return change
 
 
 def _describe_change(c: dict[str, Any]) -> str:
@@ -609,7 +693,6 @@ async def rejected_replay(settings: Settings, args: argparse.Namespace) -> int:
 
 async def repair(settings: Settings, args: argparse.Namespace) -> int:
     from stock_ledger import repair as fix  # noqa: PLC0415 - it imports this module
-    from stock_ledger.verify import parse_partitions  # noqa: PLC0415
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")

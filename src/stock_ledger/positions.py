@@ -3,7 +3,8 @@
 Positions (every STOCK_LEDGER_POSITION_REFRESH_SECONDS): log start and end offsets (ListOffsets), the group's
 committed offsets (OffsetFetch) and the stored offsets; so a stalled worker still shows its lag growing, and a hole
 (stored offset outside the log) shows as `stock_ledger_partition_gap_messages` whichever worker holds it.
-Each pod exports every partition of the topic; aggregate with max by (topic, partition).
+The leader exports every partition of the topic; a pod that does not hold the monitor lease exports none of these
+gauges, nor the ledger's (metrics.LeaderOnly), so `max by (topic, partition)` sees the leader's values only.
 
 Negative stock (on the position timer): how many (warehouse, sku) levels are below zero and by how much, from the
 partial index stock_levels_negative_idx (migration 0004): it holds the negative levels only.
@@ -88,7 +89,15 @@ class PositionMonitor:
         while True:
             try:
                 leads = await asyncio.wait_for(self._lease.check(), timeout=10)
-                self._m.monitor_leader.set(1 if leads else 0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # A pod that cannot tell whether it still leads must not export as if it did (a thawed leader's
+                # dead lease session fails here first); another pod may hold the lease meanwhile.
+                leads = False
+                log.info("monitor.lease_check_failed", error=f"{type(exc).__name__}: {exc}")
+            self._m.lead(leading=leads)
+            try:
                 if leads:
                     await asyncio.wait_for(refresh(), timeout=limit_seconds or max(10.0, seconds * 2))
             except asyncio.CancelledError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -11,7 +12,8 @@ class Progress:
     def __init__(self, what: str, total: int | None, stream: TextIO | None = None, every: float = 2.0) -> None:
         self._what, self._total = what, total
         self._stream = stream or sys.stderr
-        self._tty = self._stream.isatty()
+        # A live line redraws with ANSI escapes; NO_COLOR (https://no-color.org) asks for none: plain lines.
+        self._tty = self._stream.isatty() and not os.environ.get("NO_COLOR")
         self._every = 0.2 if self._tty else every
         self._started = self._last = time.monotonic()
         self.done = 0

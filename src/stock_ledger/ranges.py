@@ -97,6 +97,17 @@ def difference(a: Iterable[Run], b: Iterable[Run]) -> Iterator[Run]:
             yield start, last
 
 
+def merged(ranges: Iterable[Run]) -> list[Run]:
+    """Sorted, disjoint runs covering the same offsets as `ranges` (which may overlap)."""
+    out: list[Run] = []
+    for first, last in sorted(ranges):
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
 def clip(runs: Iterable[Run], low: int, high: int) -> Iterator[Run]:
     """The parts of `runs` within [low, high]."""
     for first, last in runs:

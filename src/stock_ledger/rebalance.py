@@ -16,7 +16,7 @@ import structlog
 from aiokafka import ConsumerRebalanceListener
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -27,22 +27,20 @@ log = structlog.get_logger(__name__)
 
 
 class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(  # noqa: PLR0913, PLR0917 - the collaborators of one callback pair
+    def __init__(
         self, consumer: AIOKafkaConsumer, assignment: Assignment, batch_lock: asyncio.Lock, metrics: Metrics,
-        wait_seconds: float, changed: Callable[[], None],
+        wait_seconds: float,
     ) -> None:
         self._consumer = consumer
         self._assignment = assignment
         self._batch_lock = batch_lock
         self._metrics = metrics
         self._wait_seconds = wait_seconds
-        self._changed = changed
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         self._consumer.pause(*assigned)  # no await before this line
         self._assignment.assigned(tp.partition for tp in assigned)
         self._metrics.rebalances.inc()
-        self._changed()
         log.info("rebalance.assigned", partitions=sorted(tp.partition for tp in assigned),
                  generation=getattr(getattr(self._consumer, "_coordinator", None), "generation", None))
 
@@ -60,6 +58,5 @@ class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
             finally:
                 self._batch_lock.release()
         self._metrics.assigned_partitions.set(len(self._assignment.epochs))
-        self._changed()
         log.info("rebalance.revoked", partitions=sorted(partitions),
                  waited_seconds=round(time.monotonic() - started, 3))

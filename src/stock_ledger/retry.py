@@ -12,6 +12,7 @@ import asyncpg
 import structlog
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
+from stock_ledger.clients import refused_startup_parameter
 from stock_ledger.errors import RetryDeadlineExceeded
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ _CAUSES: Final[tuple[tuple[tuple[type[BaseException], ...], str | None], ...]] =
 
 def transient_cause(exc: BaseException) -> str | None:
     """A low-cardinality cause label if `exc` may succeed on retry, else None."""
+    if refused_startup_parameter(exc) is not None:
+        return None  # a pooler's configuration: retrying cannot change it
     for types, cause in _CAUSES:
         if isinstance(exc, types):
             return cause

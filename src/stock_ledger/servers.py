@@ -5,16 +5,27 @@ server after a failover; a restore or a lagging standby promoted can also put th
 server answered is logged when it changes (its address, and where the role can read them the cluster's system
 identifier and timeline: a promoted standby keeps the identifier and starts a new timeline). A server in recovery,
 or one that makes every transaction read-only, is refused as a transient fault: the session is dropped and the
-reconnect tries the next host, until the primary answers.
+reconnect tries the next host, until the primary answers. A pooler that shares server sessions between clients per
+transaction or statement (PgBouncer's transaction or statement pool_mode) is refused at start
+(`refuse_transaction_pooling`): the worker needs a session of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import asyncpg
+import structlog
+
+from stock_ledger.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+log = structlog.get_logger(__name__)
 
 _WHERE: Final = """
 SELECT host(inet_server_addr()) AS host, inet_server_port() AS port, pg_is_in_recovery() AS recovery,
@@ -58,3 +69,78 @@ async def writable_server(conn: asyncpg.Connection) -> Server:
         if cluster is not None:
             system_identifier, timeline = cluster["system_identifier"], cluster["timeline"]
     return Server(address, system_identifier, timeline)
+
+
+# ------------------------------------------------------------------------------ pooling (issue 31)
+_BACKEND: Final = "SELECT pg_backend_pid()"
+_HOLDERS: Final = 3
+
+
+async def _pid_in_transaction(conn: asyncpg.Connection) -> int:
+    # Inside a transaction a pooler in transaction mode keeps one server connection for the statement's Parse and
+    # its Bind (the probe's sessions have no statement cache: nothing named is left on a shared server).
+    async with conn.transaction():
+        return int(await conn.fetchval(_BACKEND))
+
+
+async def transaction_pooling(connect: Callable[[], Awaitable[asyncpg.Connection]]) -> str | None:
+    """What shows that sessions from `connect` are shared per transaction or statement (PgBouncer's transaction or
+    statement pool_mode), or None where each client connection is a session of its own.
+
+    Why it is reliable: a PostgreSQL backend serves one client connection from its start to its end, directly and
+    behind PgBouncer in session mode, so both signs below are impossible there: no false positive.
+      1. A second client connection, opened while the first one is connected and idle, runs on the first one's
+         backend: the pooler gave the first one's server connection away between its transactions.
+      2. The first client connection's next transaction runs on another backend while the second one holds its
+         server connection in an open transaction.
+    In transaction mode PgBouncer hands out the server connection released last first (LIFO, the default
+    server_round_robin = 0), so sign 1 shows with the first holder (checked against the real PgBouncer 1.18 in
+    tests/integration/test_pgbouncer.py); with round robin a few holders take each idle server connection in turn
+    until one of the signs shows. Statement mode refuses the first BEGIN, naming itself."""
+    first = await connect()
+    holders: list[asyncpg.Connection] = []
+    try:
+        return await _shared_backend(first, connect, holders)
+    except (asyncpg.ConnectionDoesNotExistError, asyncpg.ProtocolViolationError) as exc:
+        if "pooling mode" in str(exc):  # PgBouncer: "transaction blocks not allowed in statement pooling mode"
+            return str(exc)
+        raise
+    finally:
+        for conn in (*holders, first):
+            conn.terminate()  # an open transaction goes with its session
+
+
+async def _shared_backend(first: asyncpg.Connection, connect: Callable[[], Awaitable[asyncpg.Connection]],
+                          holders: list[asyncpg.Connection]) -> str | None:
+    mine = await _pid_in_transaction(first)
+    for _ in range(_HOLDERS):
+        holder = await connect()
+        holders.append(holder)
+        await holder.execute("BEGIN")  # held open until the probe ends: its server connection stays taken
+        theirs = int(await holder.fetchval(_BACKEND))
+        if theirs == mine:
+            return f"a second client connection ran on the first one's backend (pid {mine}) while it was connected"
+        now = await _pid_in_transaction(first)
+        if now != mine:
+            return f"one client connection ran its transactions on two backends (pid {mine}, then {now})"
+    return None
+
+
+async def refuse_transaction_pooling(connect: Callable[[], Awaitable[asyncpg.Connection]],
+                                     within: float = 15) -> None:
+    """ConfigError if sessions from `connect` are pooled per transaction or statement (see `transaction_pooling`).
+    A probe that cannot finish `within` seconds (a pooler whose pool is full) proves nothing either way: said, not
+    refused."""
+    try:
+        shown = await asyncio.wait_for(transaction_pooling(connect), within)
+    except TimeoutError:
+        log.warning("startup.pooling_unknown", timeout_seconds=within,
+                    detail="could not tell whether DATABASE_URL leads to a pooler in transaction mode; going on")
+        return
+    if shown is not None:
+        raise ConfigError(
+            f"DATABASE_URL leads to a connection pooler that shares server sessions between clients ({shown}): "
+            "PgBouncer in transaction or statement pool_mode. stock-ledger needs a session of its own (its "
+            "advisory-lock lease, lock_timeout and idle_in_transaction_session_timeout, prepared statements). Set "
+            "pool_mode = session in pgbouncer.ini (or pool_mode=session on this database's line), or connect to "
+            "PostgreSQL directly; see docs/pgbouncer.md")

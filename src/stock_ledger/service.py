@@ -28,6 +28,7 @@ from stock_ledger.batch import Batch, BatchBuilder
 from stock_ledger.claims import Claimer
 from stock_ledger.clients import (
     check_kafka,
+    connect_database,
     connect_worker,
     kafka_options,
     make_consumer,
@@ -41,8 +42,9 @@ from stock_ledger.migrate import check_schema
 from stock_ledger.positions import PositionMonitor
 from stock_ledger.rebalance import Rebalance
 from stock_ledger.retry import Abandoned, Retrier
+from stock_ledger.servers import refuse_transaction_pooling
 from stock_ledger.sink import Ledger, Outcome
-from stock_ledger.topics import refuse_compacted, watch_compaction
+from stock_ledger.topics import TopicUnavailable, refuse_compacted, require_topic, watch_compaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -69,13 +71,13 @@ class Worker:
         self.consumer = make_consumer(settings)
         self._batch_lock = asyncio.Lock()
         self.consumer.subscribe([settings.topic], listener=Rebalance(
-            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000,
-            self._update_ready))
+            self.consumer, self.assignment, self._batch_lock, self.metrics, settings.rebalance_timeout_ms / 2000))
         self.claimer = Claimer(settings, self.ledger, self.assignment, self.consumer, self.metrics,
                                functools.partial(connect_worker, settings))
         self._conn: asyncpg.Connection | None = None
         self._db_ok = False
-        self._last_progress = time.monotonic()
+        self._topic_problem: str | None = None  # why the topic cannot be read, until it can (readiness says it)
+        self._last_progress = self._idle_checked = time.monotonic()
         self._main: asyncio.Task[None] | None = None
         self._in_flight: asyncio.Task[None] | None = None  # the batch transaction running while the next is built
         self._compaction: asyncio.Task[None] | None = None  # fails (the worker halts) if compaction is switched on
@@ -87,6 +89,9 @@ class Worker:
         self._behind = False
         self.advice = KafkaAdvice(self.consumer, settings.topic)
         self._retry = Retrier(settings.retry_deadline_seconds, self.stopping, self._on_fault)
+        # Computed at scrape time from what /readyz answers: it cannot disagree with it (a gauge set on some
+        # transitions stayed 0 after the database came back while /readyz said 200).
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready()[0] else 0.0)
 
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT (see `handle_exit`); 0 on a requested stop."""
@@ -116,12 +121,19 @@ class Worker:
         monitor = PositionMonitor(s, self.metrics, functools.partial(connect_worker, s))
         advisor: asyncio.Task[None] | None = None
         try:
+            # Before any session of ours prepares a named statement a shared server connection would keep.
+            await self._retry("check how PostgreSQL sessions are pooled", functools.partial(
+                refuse_transaction_pooling, functools.partial(
+                    connect_database, s, application_name="stock-ledger-pool-check", statement_cache_size=0)),
+                "startup.retry")
             self._conn = await self._retry("connect to PostgreSQL", self._connect, "startup.retry")
             await check_schema(self._conn)
             self._db_ok = True
             # One plain connection first: aiokafka reports a bad password or certificate only as "Unable to
             # bootstrap"; this names the cause and fails fast, where a retry cannot help.
             await self._retry("join the Kafka cluster", functools.partial(check_kafka, s), "startup.retry")
+            # Before the consumer starts: on a missing topic it would wait for ever, saying nothing of ours.
+            await self._retry("find the topic", self._find_topic, "startup.retry")
             await self._retry("join the Kafka cluster", self.consumer.start, "startup.retry")
             await self._retry("read the topic's configuration", functools.partial(
                 refuse_compacted, s.kafka_bootstrap_servers, s.topic, options=kafka_options(s)), "startup.retry")
@@ -137,7 +149,6 @@ class Worker:
         except Abandoned as exc:
             log.info("worker.abandoned", detail=str(exc))
         finally:
-            self.metrics.ready.set(0)
             for task in (advisor, self._compaction):
                 if task is not None:
                     task.cancel()
@@ -177,12 +188,31 @@ class Worker:
         return True, f"main loop progressed {idle:.1f}s ago"
 
     async def readiness(self) -> tuple[bool, str]:
+        return self.ready()
+
+    def ready(self) -> tuple[bool, str]:
+        """/readyz and stock_ledger_ready: connected, a member, every assigned partition claimed."""
         if not self._db_ok:
             return False, "PostgreSQL not connected"
+        if self._topic_problem is not None:
+            return False, self._topic_problem
         return self.assignment.readiness()
 
-    def _update_ready(self) -> None:
-        self.metrics.ready.set(1 if self._db_ok and self.assignment.readiness()[0] else 0)
+    async def _find_topic(self) -> None:
+        s = self.settings
+        try:
+            await require_topic(s.kafka_bootstrap_servers, s.topic, options=kafka_options(s))
+        except TopicUnavailable as exc:
+            if self._topic_problem is None:  # once: the retries that follow are logged as startup.retry
+                deadline = s.retry_deadline_seconds
+                log.error("topic.unavailable", topic=s.topic, bootstrap_servers=s.kafka_bootstrap_servers,
+                          detail=f"{exc}: create it, grant access, or fix STOCK_LEDGER_TOPIC / "
+                                 "KAFKA_BOOTSTRAP_SERVERS",
+                          retrying=f"until STOCK_LEDGER_RETRY_DEADLINE_SECONDS={deadline:g}, then exit 1" if deadline
+                          else "for ever (STOCK_LEDGER_RETRY_DEADLINE_SECONDS=0); /readyz says why")
+            self._topic_problem = str(exc)
+            raise
+        self._topic_problem = None
 
     # ---------------------------------------------------------------- main loop
 
@@ -209,13 +239,13 @@ class Worker:
             if self.assignment.pending or self.claimer.recheck_due():
                 await self._drain()
                 await self._retry("claiming partitions", self._claim, "claim.retry")
-                self._update_ready()
                 continue
             if not self._behind:
                 await self._drain()
             fetched = await self._fetch()
             fetched_at = time.time()
             if not fetched:
+                await self._check_while_idle()
                 continue
             self._behind = sum(map(len, fetched.values())) >= self.settings.batch_max_records // 10
             if self.ledger.faults.reached("after_read"):
@@ -369,6 +399,23 @@ class Worker:
         self._db_ok = True
         return self._conn
 
+    async def _check_while_idle(self) -> None:
+        """With no records, no batch guard looks at the stored offsets: a failover or restore while the topic is
+        quiet would leave its lost range missing until each partition's next record. So every
+        STOCK_LEDGER_POSITION_REFRESH_SECONDS of idleness the session is checked (a dead one reconnects, and a new
+        session checks itself) and the stored offsets compared with ours: one small query."""
+        now = time.monotonic()
+        if now - self._idle_checked < self.settings.position_refresh_seconds or self._in_flight is not None:
+            return
+        self._idle_checked = now
+        await self._retry("checking the stored offsets", self._check_offsets, "db.retry")
+
+    async def _check_offsets(self) -> None:
+        fresh = self._conn is None or self._conn.is_closed()
+        conn = await self._session()
+        if not fresh:  # a new session has just checked itself
+            await self.claimer.check_offsets(conn)
+
     async def _connect(self) -> asyncpg.Connection:
         """A new session, checked before it writes (claims.Claimer.check_session)."""
         conn = await connect_worker(self.settings)
@@ -384,7 +431,6 @@ class Worker:
         self._last_progress = time.monotonic()  # retrying is alive: /healthz stays 200, /readyz says why not
         if cause == "database":
             self._db_ok = False
-            self._update_ready()
             if self._conn is not None:
                 # The session may be half-dead (killed while we were frozen mid-statement): start afresh.
                 self._conn.terminate()

@@ -50,6 +50,7 @@ from stock_ledger.batch import (
     level_deltas,
     quarantined,
 )
+from stock_ledger.clients import backend_pid
 from stock_ledger.domain import RejectCode, pg_text
 from stock_ledger.errors import (
     CoordinateConflictError,
@@ -79,11 +80,13 @@ class Unblock:
     application_name: str
 
     async def run(self, conn: asyncpg.Connection, statement: Awaitable[_T]) -> _T:
+        # The backend's own pid (behind PgBouncer get_server_pid() is made up), known before the session is busy.
+        waiting_pid = await backend_pid(conn)
         task = asyncio.ensure_future(statement)
         try:
             done, _ = await asyncio.wait({task}, timeout=self.after)
             if not done:
-                await self._terminate_blockers(conn.get_server_pid())
+                await self._terminate_blockers(waiting_pid)
             return await task
         finally:
             if not task.done():

@@ -56,6 +56,42 @@ async def partitions_of(bootstrap: str, topic: str, *, options: Mapping[str, Any
     return sorted(p["partition"] for t in described if t["error_code"] == 0 for p in t["partitions"])
 
 
+class TopicUnavailable(KafkaError):  # type: ignore[misc]
+    """The topic does not exist, or this client may not describe it. Retried like any transient fault (an operator
+    may create it, or grant access) until STOCK_LEDGER_RETRY_DEADLINE_SECONDS; never left to aiokafka, whose
+    consumer would wait for it forever, logging only its own metadata errors."""
+
+    retriable = True
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # the message alone: the retry log line adds the class name
+
+
+# Kafka error codes of a DescribeTopics (Metadata) answer for one topic.
+_UNKNOWN_TOPIC, _NOT_AUTHORIZED = 3, 29
+
+
+async def require_topic(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> None:
+    """Raise TopicUnavailable, naming the topic, STOCK_LEDGER_TOPIC and the bootstrap servers, unless the topic
+    exists with partitions this client can describe."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    found = next((t for t in described if t["topic"] == topic), None)
+    code = _UNKNOWN_TOPIC if found is None else int(found["error_code"])
+    if code == 0 and found is not None and found["partitions"]:
+        return
+    why = {
+        _UNKNOWN_TOPIC: "does not exist",
+        _NOT_AUTHORIZED: "is not readable with these credentials (TopicAuthorizationFailed: grant Describe and "
+                         "Read on it, and Read on the consumer group)",
+    }.get(code, f"cannot be described (Kafka error code {code})")
+    raise TopicUnavailable(f"topic {topic!r} (STOCK_LEDGER_TOPIC) {why} on {bootstrap} (KAFKA_BOOTSTRAP_SERVERS)")
+
+
 async def cleanup_policy(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> str | None:
     """The topic's cleanup.policy (None if the topic does not exist)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))

@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -34,7 +34,7 @@ from stock_ledger.errors import ConfigError, StockLedgerError
 from stock_ledger.gaps import find_gap
 from stock_ledger.invariants import COORDINATES_UNIQUE, LEVEL_MISMATCHES
 from stock_ledger.progress import Progress
-from stock_ledger.ranges import Found, Run, Runs, clip, describe, difference
+from stock_ledger.ranges import Found, Run, Runs, clip, describe, difference, merged
 from stock_ledger.sink import stored_offsets
 from stock_ledger.topics import partitions_of
 
@@ -78,6 +78,11 @@ SELECT count(*) FROM {table} AS t JOIN unnest($2::int[], $3::bigint[]) AS s(p, l
  WHERE t.kafka_topic = $1
 """
 _MISMATCHES: Final = f"{LEVEL_MISMATCHES} LIMIT 5"
+# Ranges an operator (or `gaps ack`) acknowledged: their records stay in the topic, skipped on purpose.
+_ACKNOWLEDGED: Final = """
+SELECT partition, first_offset, last_offset, acknowledged_by, note FROM ledger_gaps
+ WHERE acknowledged_at IS NOT NULL AND group_id = $1 AND topic = $2 ORDER BY partition, first_offset
+"""
 
 
 @dataclass
@@ -92,10 +97,26 @@ class Report:
     rows: int = 0
     distinct_sources: int = 0
     checks: list[Check] = field(default_factory=list)
+    # `verify --json`: per partition, what the comparison with the topic found (as_dict).
+    partitions: list[PartitionResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """`verify --json`: the same checks, and each partition's findings as offset ranges [first, last]
+        (at most ranges.SAMPLE ranges of each kind; `runs` and `offsets` count them all)."""
+        def found(f: Found) -> dict[str, Any]:
+            return {"offsets": f.offsets, "runs": f.runs, "sample": [list(r) for r in f.sample]}
+
+        return {
+            "ok": self.ok, "rows": self.rows, "distinct_sources": self.distinct_sources,
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+            "partitions": [{"partition": r.partition, "records": r.records, "last_record": r.last_record,
+                            "missing": found(r.missing), "repeated": found(r.repeated), "phantoms": found(r.phantoms)}
+                           for r in self.partitions],
+        }
 
     def add(self, name: str, ok: bool, detail: str) -> None:
         self.checks.append(Check(name, ok, detail))
@@ -129,6 +150,31 @@ class PartitionResult:
     repeated: Found  # offsets held twice (in both tables, or twice in one without its constraint)
     phantoms: Found  # in the ledger, not in the topic (at or above the log start)
     last_record: int | None  # the topic's last committed record offset in the compared range
+    # of the records missing, those inside an acknowledged ledger_gaps range: (the gap, how many), not a failure
+    acknowledged: list[tuple[AcknowledgedGap, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AcknowledgedGap:
+    partition: int
+    first_offset: int
+    last_offset: int
+    by: str | None
+    note: str | None
+
+    def describe(self) -> str:
+        return (f"acknowledged gap p{self.partition}: {describe((self.first_offset, self.last_offset))} by {self.by}, "
+                f"note: {self.note}")
+
+
+def set_aside(missing: Sequence[Run], gaps: Sequence[AcknowledgedGap],
+              ) -> tuple[Found, list[tuple[AcknowledgedGap, int]]]:
+    """Missing records outside every acknowledged gap (failures), and per gap how many missing records it holds.
+    As `repair` leaves such ranges alone, verify does not count them as missing."""
+    covered = merged((g.first_offset, g.last_offset) for g in gaps)
+    held = [(g, n) for g in gaps
+            if (n := sum(last - first + 1 for first, last in clip(missing, g.first_offset, g.last_offset)))]
+    return Found().extend(difference(missing, covered)), held
 
 
 _DURATION: Final = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
@@ -392,11 +438,20 @@ async def _starts(conn: asyncpg.Connection, topic: str, scope: Scope, stored: di
     return starts
 
 
+async def _acknowledged(conn: asyncpg.Connection, settings: Settings) -> dict[int, list[AcknowledgedGap]]:
+    found: dict[int, list[AcknowledgedGap]] = {}
+    if await conn.fetchval("SELECT to_regclass('ledger_gaps') IS NOT NULL"):
+        for r in await conn.fetch(_ACKNOWLEDGED, settings.group_id, settings.topic):
+            found.setdefault(r[0], []).append(AcknowledgedGap(*r))
+    return found
+
+
 async def _compare_all(conn: asyncpg.Connection, consumer: AIOKafkaConsumer, settings: Settings, scope: Scope,  # noqa: PLR0913 - the run's state, read once by verify()
                        windows: dict[int, Window], *, show_progress: bool) -> Report:
     total = sum(max(0, w.end - w.low) for w in windows.values())
     progress = Progress(f"verify: {settings.topic}, {len(windows)} partitions", total) if show_progress else None
     results = []
+    acknowledged = await _acknowledged(conn, settings)
     for p, w in sorted(windows.items()):
         # Kafka and PostgreSQL work at the same time: the fetch decodes here, the window functions run there.
         topic_runs, (ledger, repeated) = await asyncio.gather(
@@ -404,14 +459,17 @@ async def _compare_all(conn: asyncpg.Connection, consumer: AIOKafkaConsumer, set
             ledger_partition(conn, settings.topic, p, w.start),
         )
         missing, phantoms = compare(topic_runs, ledger, w)
-        results.append(PartitionResult(p, topic_runs.count, missing, repeated, phantoms, topic_runs.last))
+        held: list[tuple[AcknowledgedGap, int]] = []
+        if missing and p in acknowledged:
+            missing, held = set_aside(list(missing_runs(topic_runs, ledger, w)), acknowledged[p])
+        results.append(PartitionResult(p, topic_runs.count, missing, repeated, phantoms, topic_runs.last, held))
     if progress:
         progress.finish()
     return _report(results, scope, {p: w.stored for p, w in windows.items()})
 
 
 def _report(results: Sequence[PartitionResult], scope: Scope, stored: dict[int, int | None]) -> Report:
-    report = Report()
+    report = Report(partitions=list(results))
     produced = sum(r.records for r in results)
     what = "committed records"
     if scope.since is not None:
@@ -419,6 +477,10 @@ def _report(results: Sequence[PartitionResult], scope: Scope, stored: dict[int, 
     report.add("records in topic", ok=True, detail=f"{produced} {what} in {len(results)} partitions")
     report.add("gaps (in topic, in neither table)", not any(r.missing for r in results),
                _summary({r.partition: r.missing for r in results}))
+    held = [x for r in results for x in r.acknowledged]
+    report.add("acknowledged gaps (skipped on purpose)", ok=True, detail="none" if not held else
+               f"{sum(n for _, n in held)} records in the topic: "
+               + "; ".join(f"{g.describe()} ({n} records)" for g, n in held[:5]) + (" ..." if len(held) > 5 else ""))
     report.add("in both tables", not any(r.repeated for r in results),
                _summary({r.partition: r.repeated for r in results}))
     report.add("rows not in topic", not any(r.phantoms for r in results),

@@ -215,6 +215,35 @@ async def test_compaction_switched_on_while_running_halts_the_worker(
     await assert_exact(services, database, name, workers.group, rows=300)
 
 
+async def test_a_read_only_server_is_waited_out_never_crash_looped(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """The worker's sessions are ended and every new one is read-only (as on a standby a failover left in the URL,
+    or `default_transaction_read_only`): the worker keeps running, writes nothing, says why, and resumes by itself
+    once the server takes writes again; the ledger is exact."""
+    await produce(services.kafka, topic, 300, seed=57, show_progress=False)
+    worker = workers.start(STOCK_LEDGER_RETRY_DEADLINE_SECONDS="0")
+    await wait_drained(services, database, topic, workers.group, 60, pool=workers)
+    owner = await asyncpg.connect(database.owner_url)
+    try:
+        await owner.execute(f'ALTER DATABASE "{database.name}" SET default_transaction_read_only = on')
+        await owner.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = current_database() AND usename <> current_user")
+        await produce(services.kafka, topic, 300, seed=58, show_progress=False)
+        await eventually(lambda: "makes every transaction read-only" in worker.log_text(), 30,
+                         "the worker to say the server is read-only", workers)
+        await asyncio.sleep(3)
+        assert worker.alive()
+        assert sum((await stored_offsets(owner, workers.group, topic)).values()) == 300  # nothing written
+        await owner.execute(f'ALTER DATABASE "{database.name}" RESET default_transaction_read_only')
+    finally:
+        await owner.close()
+    await wait_drained(services, database, topic, workers.group, 60, pool=workers)
+    await assert_exact(services, database, topic, workers.group, rows=600, pool=workers)
+    assert worker.alive()
+    workers.assert_no_tracebacks()
+
+
 async def test_a_worker_frozen_inside_copy_cannot_stall_the_new_owner(
     services: Services, database: Env, topic: str, workers: WorkerPool,
 ) -> None:

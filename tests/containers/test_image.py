@@ -75,6 +75,20 @@ class TestContents:
                        "find /opt/venv /app -writable -print -quit").stdout.strip()
         assert not found, f"{found} is writable by uid 10001"
 
+    def test_an_arbitrary_uid_in_group_0_runs_the_cli_and_reads_every_file(self) -> None:
+        """OpenShift's restricted-v2 SCC runs the image as a uid from the namespace's range with gid 0, no
+        /etc/passwd entry and a read-only root (the chart's ci/openshift-values.yaml): the CLI starts, the
+        migrations are readable, and every file and directory of the application is readable by any uid."""
+        done = podman("run", "--rm", "--network=none", "--read-only", "--user", "1000680000:0",
+                      "--entrypoint", "sh", IMAGE, "-c",
+                      "id -u; stock-ledger --version; cat /app/migrations/*.sql | wc -c; "
+                      "find /opt/venv /app \\( -type f ! -perm -o+r -o -type d ! -perm -o+rx \\) -print")
+        uid, version, migration_bytes, *unreadable = done.stdout.splitlines()
+        assert uid == "1000680000"
+        assert version.startswith("stock-ledger "), version
+        assert int(migration_bytes) > 0, done.stderr
+        assert not unreadable, f"not readable by every uid: {unreadable[:10]}"
+
     def test_the_hosts_ca_bundle_mounted_into_the_build_stays_out_of_the_image(self) -> None:
         def digest(image: str) -> str:
             return podman("run", "--rm", "--network=none", "--entrypoint", "sha256sum", image,

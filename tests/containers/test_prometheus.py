@@ -81,7 +81,7 @@ def shortened(expr_or_duration: str) -> str:
 def shortened_rules(tmp_path: Path) -> Path:
     """The chart's PrometheusRule groups, windows shortened, written as a Prometheus rule file."""
     manifests = render("--set", "metrics.prometheusRule.enabled=true", "--set", "database.existingSecret=db",
-                       tmp=tmp_path)
+                       "--set", "database.migrationSecret=db-owner", tmp=tmp_path)
     groups = one(manifests, "PrometheusRule")["spec"]["groups"]
     for group in groups:
         group["interval"] = "1s"

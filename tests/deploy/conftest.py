@@ -18,7 +18,7 @@ from .support import (
     KUBE_VERSION,
     NAMESPACE,
     RELEASE,
-    SECRET,
+    REQUIRED,
     VALUES_ALL,
     HelmResult,
     Rendered,
@@ -82,7 +82,7 @@ def render(run_helm: Callable[..., HelmResult], yaml_module: Any) -> Callable[..
 @pytest.fixture(scope="session")
 def default_render(render: Callable[..., Rendered]) -> Rendered:
     """The chart's defaults plus the one required value."""
-    return render("--set", f"database.existingSecret={SECRET}")
+    return render(*REQUIRED)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,9 @@ KUBE_VERSION = "1.30.0"
 RELEASE = "ledger"
 NAMESPACE = "inventory"
 SECRET = "stock-ledger-db"  # noqa: S105 - the name of a Secret, not a secret
+MIGRATION_SECRET = "stock-ledger-db-owner"  # noqa: S105 - the owner role's Secret, by name
+# The values an install cannot do without: the worker's Secret and the migration hook's (owner) Secret.
+REQUIRED = ("--set", f"database.existingSecret={SECRET}", "--set", f"database.migrationSecret={MIGRATION_SECRET}")
 
 Manifest = dict[str, Any]
 
@@ -83,3 +86,36 @@ def pod_labels(manifest: Manifest) -> dict[str, str]:
 
 def env_by_name(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in container.get("env", [])}
+
+
+# What OpenShift's restricted-v2 SCC (and the Pod Security Standards' "restricted" profile) admit, as far as the
+# pod spec decides it: the uid, gid and fsGroup come from the namespace's ranges, so the spec must not fix them.
+RESTRICTED_VOLUME_SOURCES = {"configMap", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                             "projected", "secret"}
+
+
+def restricted_v2_violations(manifest: Manifest) -> list[str]:
+    """What in the pod spec of `manifest` OpenShift's restricted-v2 SCC would refuse or override, one line each."""
+    spec = pod_spec(manifest)
+    where = kn(manifest)
+    found = [f"{where}: pod sets {key}" for key in ("runAsUser", "runAsGroup", "fsGroup", "supplementalGroups")
+             if key in spec["securityContext"]]
+    found += [f"{where}: {key}" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    for volume in spec.get("volumes", []):
+        sources = set(volume) - {"name"}
+        if not sources <= RESTRICTED_VOLUME_SOURCES:
+            found.append(f"{where}: volume {volume['name']} is {sources}")
+    for container in spec["containers"] + spec.get("initContainers", []):
+        context = container["securityContext"]
+        name = f"{where} container {container['name']}"
+        found += [f"{name} sets {key}" for key in ("runAsUser", "runAsGroup") if key in context]
+        if context.get("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot is not true")
+        if context.get("allowPrivilegeEscalation") is not False or context.get("privileged"):
+            found.append(f"{name}: may escalate privileges")
+        if context.get("capabilities") != {"drop": ["ALL"]}:
+            found.append(f"{name}: capabilities {context.get('capabilities')}")
+        if context.get("seccompProfile") != {"type": "RuntimeDefault"}:
+            found.append(f"{name}: seccomp {context.get('seccompProfile')}")
+        found += [f"{name}: hostPort" for port in container.get("ports", []) if "hostPort" in port]
+    return found

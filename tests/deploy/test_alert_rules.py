@@ -37,6 +37,7 @@ CONTRACT_GAUGES = frozenset(
         "stock_ledger_partition_lag_messages",
         "stock_ledger_partition_offset_drift_messages",
         "stock_ledger_partition_gap_messages",
+        "stock_ledger_monitor_leader",
         "stock_ledger_assigned_partitions",
         "stock_ledger_ready",
         "stock_ledger_last_commit_timestamp_seconds",

@@ -15,8 +15,10 @@ import pytest
 from .support import (
     CHART,
     KUBE_VERSION,
+    MIGRATION_SECRET,
     NAMESPACE,
     RELEASE,
+    REQUIRED,
     SECRET,
     HelmResult,
     Manifest,
@@ -25,6 +27,7 @@ from .support import (
     kn,
     pod_labels,
     pod_spec,
+    restricted_v2_violations,
 )
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class TestSelectors:
     def test_every_selector_is_the_same(self, rendered: Rendered) -> None:
         selectors = [rendered.one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]
         selectors += [m["spec"]["selector"]["matchLabels"] for m in rendered.of_kind("PodMonitor")]
+        selectors += [m["spec"]["selector"]["matchLabels"] for m in rendered.of_kind("ServiceMonitor")]
         spread = pod_spec(rendered.one("Deployment", WORKERS)).get("topologySpreadConstraints", [])
         assert spread, "the worker pods must have topologySpreadConstraints"
         selectors += [constraint["labelSelector"]["matchLabels"] for constraint in spread]
@@ -136,6 +140,24 @@ class TestSecurityContext:
                 assert context["capabilities"] == {"drop": ["ALL"]}, where
                 assert context["seccompProfile"] == {"type": "RuntimeDefault"}, where
 
+    def test_fs_group_owns_the_secret_files(self, default_render: Rendered, render: Callable[..., Rendered]) -> None:
+        """fsGroup defaults to runAsGroup (a non-root uid reads the 0440 Secret files through it); it can be set."""
+        for manifest in workloads(default_render):
+            assert pod_spec(manifest)["securityContext"]["fsGroup"] == 10001, kn(manifest)
+        rendered = render(*REQUIRED, "--set", "securityContext.fsGroup=2000")
+        assert {pod_spec(m)["securityContext"]["fsGroup"] for m in workloads(rendered)} == {2000}
+
+    def test_large_ids_render_as_integers(self, render: Callable[..., Rendered], tmp_path: Path) -> None:
+        """An OpenShift-range uid from a values file must not print as 1.00068e+09 (Helm reads YAML numbers as
+        float64; `--set` would parse an int64 and hide it)."""
+        values = tmp_path / "ids.yaml"
+        values.write_text("securityContext:\n  runAsUser: 1000680000\n  runAsGroup: 1000680000\n")
+        rendered = render(*REQUIRED, "--values", str(values))
+        context = pod_spec(rendered.one("Deployment", WORKERS))["securityContext"]
+        ids = (context["runAsUser"], context["runAsGroup"], context["fsGroup"])
+        assert ids == (1000680000,) * 3
+        assert all(type(i) is int for i in ids), ids
+
     def test_tmp_is_a_writable_empty_dir(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
             volumes = {v["name"]: v for v in pod_spec(manifest)["volumes"]}
@@ -158,6 +180,27 @@ class TestSecurityContext:
                 assert "memory" in resources["limits"], kn(manifest)
 
 
+class TestRandomUid:
+    """With securityContext.runAsUser/runAsGroup/fsGroup null every pod leaves the ids to the platform (OpenShift's
+    restricted-v2 SCC assigns a uid from the namespace's range) and keeps every other restriction."""
+
+    NULL_IDS = ("--set", "securityContext.runAsUser=null", "--set", "securityContext.runAsGroup=null",
+                "--set", "securityContext.fsGroup=null")
+
+    def test_no_pod_fixes_an_id_and_every_restriction_stays(self, render: Callable[..., Rendered]) -> None:
+        rendered = render(*REQUIRED, *self.NULL_IDS, "--set", "chaos.enabled=true",
+                          "--set", "chaos.database.existingSecret=drill-db")
+        assert len(workloads(rendered)) == 6
+        violations = [v for m in workloads(rendered) for v in restricted_v2_violations(m)]
+        assert not violations, "\n".join(violations)
+
+    def test_the_default_fixes_the_images_ids(self, default_render: Rendered) -> None:
+        """The checker above is not vacuous: the default render pins uid 10001, which restricted-v2 refuses."""
+        violations = [v for m in workloads(default_render) for v in restricted_v2_violations(m)]
+        assert any("pod sets runAsUser" in v for v in violations)
+        assert all("sets runAsUser" in v or "sets runAsGroup" in v or "sets fsGroup" in v for v in violations)
+
+
 class TestWorkerContainer:
     """The worker's command, environment, probes and shutdown."""
 
@@ -169,6 +212,29 @@ class TestWorkerContainer:
         assert worker(all_render)["image"].startswith(
             "registry.example.com:5000/inventory/stock-ledger@sha256:"
         )
+
+    def test_registry_prefixes_every_image_of_the_chart(self, render: Callable[..., Rendered]) -> None:
+        """image.registry reaches every pod: workers, migration hook, helm test, the drill's Jobs and workers; with a
+        digest the reference is registry/repository@digest."""
+        digest = "sha256:" + "ab" * 32
+        drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db")
+        for flags, expected in (
+            ((), "mirror.example.com:5000/stock-ledger:0.1.0"),
+            (("--set", f"image.digest={digest}"), f"mirror.example.com:5000/stock-ledger@{digest}"),
+        ):
+            rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com:5000", *flags)
+            images = {kn(m): {c["image"] for c in containers(m)} for m in workloads(rendered)}
+            assert len(images) == 6, images  # workers, migrate, test pod, drill prepare, drill workers, drill Job
+            assert all(found == {expected} for found in images.values()), images
+
+    def test_chaos_image_registry_defaults_to_the_app_registry(self, render: Callable[..., Rendered]) -> None:
+        drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db",
+                 "--set", "chaos.image.repository=inventory/chaos", "--set-string", "chaos.image.tag=2")
+        rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com")
+        assert containers(rendered.one("Job", f"{WORKERS}-chaos"))[0]["image"] == "mirror.example.com/inventory/chaos:2"
+        rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com",
+                          "--set", "chaos.image.registry=other.example.com")
+        assert containers(rendered.one("Job", f"{WORKERS}-chaos"))[0]["image"] == "other.example.com/inventory/chaos:2"
 
     def test_database_url_from_the_existing_secret(
         self, default_render: Rendered, all_render: Rendered
@@ -244,14 +310,43 @@ class TestMigrationJob:
         assert pod_spec(job)["restartPolicy"] == "Never"
 
     def test_owner_secret(self, default_render: Rendered, all_render: Rendered) -> None:
-        """Defaults to the worker's Secret; database.migrationSecret/-Key select the owner's."""
+        """database.migrationSecret (key: database.migrationSecretKey, else database.secretKey) is the owner's."""
         expected = {
-            id(default_render): {"name": SECRET, "key": "DATABASE_URL"},
+            id(default_render): {"name": MIGRATION_SECRET, "key": "DATABASE_URL"},
             id(all_render): {"name": "stock-ledger-db-owner", "key": "owner-url"},
         }
         for rendered in (default_render, all_render):
             env = env_by_name(containers(rendered.one("Job", "-migrate"))[0])["DATABASE_URL"]
             assert env["valueFrom"]["secretKeyRef"] == expected[id(rendered)]
+
+    def test_never_falls_back_to_the_worker_secret(self, run_helm: Callable[..., HelmResult]) -> None:
+        """Without database.migrationSecret the install fails, saying what to create and which value to set: the
+        worker role cannot run DDL, so a hook run with its Secret would fail every install and upgrade."""
+        result = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                          "--set", f"database.existingSecret={SECRET}")
+        assert result.returncode != 0, "rendered a migration hook without the owner's Secret"
+        message = " ".join(result.stderr.split())
+        for fragment in ("database.migrationSecret is required while migrations.enabled is true", "OWNER role",
+                         f"kubectl -n {NAMESPACE} create secret generic stock-ledger-db-owner",
+                         "--from-literal=DATABASE_URL=", "set database.migrationSecret=stock-ledger-db-owner",
+                         "migrations.enabled=false"):
+            assert fragment in message, f"{fragment!r} not in:\n{result.stderr}"
+
+    def test_the_worker_secret_and_key_are_refused(self, run_helm: Callable[..., HelmResult]) -> None:
+        """Naming the worker's Secret and key explicitly is the same fallback; another key of it is fine."""
+        same = ("--set", f"database.existingSecret={SECRET}", "--set", f"database.migrationSecret={SECRET}")
+        result = run_helm("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *same)
+        assert result.returncode != 0
+        assert "is the worker's Secret and key" in result.stderr, result.stderr
+        result = run_helm("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *same,
+                          "--set", "database.migrationSecretKey=OWNER_URL")
+        assert result.returncode == 0, result.stderr
+
+    def test_disabled_migrations_need_no_owner_secret(self, render: Callable[..., Rendered]) -> None:
+        """migrations.enabled=false: no hook, so no owner Secret in the cluster (the operator migrates)."""
+        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "migrations.enabled=false")
+        assert [m["metadata"]["name"] for m in rendered.of_kind("Job")] == []
+        assert rendered.one("Deployment", WORKERS)
 
     def test_uses_no_chart_created_object(self, rendered: Rendered) -> None:
         """A pre-install hook runs before the release's objects exist: it may use none of them."""
@@ -268,7 +363,7 @@ class TestMonitoring:
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == "9108"
         assert annotations["prometheus.io/path"] == "/metrics"
-        assert not default_render.kinds() & {"PodMonitor", "PrometheusRule", "ConfigMap"}
+        assert not default_render.kinds() & {"PodMonitor", "ServiceMonitor", "PrometheusRule", "ConfigMap"}
 
     def test_pod_monitor_replaces_annotations(self, all_render: Rendered) -> None:
         monitor = all_render.one("PodMonitor")
@@ -279,6 +374,36 @@ class TestMonitoring:
         annotations = all_render.one("Deployment", WORKERS)["spec"]["template"]["metadata"]["annotations"]
         assert not [key for key in annotations if key.startswith("prometheus.io/")], "scraped twice"
         assert annotations["example.com/owner"] == "inventory"
+
+    def test_service_monitor_scrapes_every_worker_through_the_headless_service(
+        self, render: Callable[..., Rendered],
+    ) -> None:
+        """The ServiceMonitor selects the workers Service by its labels and the endpoints by the Service's port name;
+        that Service selects exactly the worker pods, NotReady ones included. No scrape annotations, no PodMonitor."""
+        rendered = render(*REQUIRED, "--set", "metrics.serviceMonitor.enabled=true",
+                          "--set", "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
+                          "--set", "metrics.serviceMonitor.interval=15s")
+        monitor = rendered.one("ServiceMonitor")
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        matched = [s for s in rendered.of_kind("Service") if selector.items() <= s["metadata"]["labels"].items()]
+        assert [s["metadata"]["name"] for s in matched] == [f"{WORKERS}-workers"]
+        service = matched[0]
+        assert service["spec"]["selector"] == SELECTOR
+        assert service["spec"]["publishNotReadyAddresses"] is True
+        assert monitor["spec"]["endpoints"] == [
+            {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}]
+        assert [p["name"] for p in service["spec"]["ports"]] == ["metrics"]
+        assert service["spec"]["ports"][0]["targetPort"] == worker(rendered)["ports"][0]["name"]
+        annotations = rendered.one("Deployment", WORKERS)["spec"]["template"]["metadata"].get("annotations", {})
+        assert not [key for key in annotations if key.startswith("prometheus.io/")], "scraped twice"
+        assert "PodMonitor" not in rendered.kinds()
+
+    def test_pod_monitor_and_service_monitor_exclude_each_other(self, run_helm: Callable[..., HelmResult]) -> None:
+        result = run_helm("template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *REQUIRED,
+                          "--set", "metrics.podMonitor.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+        assert result.returncode != 0
+        assert "enable one of them, or every worker is scraped twice" in result.stderr, result.stderr
 
     def test_prometheus_rule_labels(self, all_render: Rendered) -> None:
         assert all_render.one("PrometheusRule")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -299,7 +424,7 @@ class TestMonitoring:
         dashboards = []
         for namespace, release in (("inventory", "ledger"), ("staging", "ledger"), ("inventory", "other")):
             result = run_helm("template", release, str(CHART), "--namespace", namespace, "--kube-version",
-                              KUBE_VERSION, "--set", f"database.existingSecret={SECRET}",
+                              KUBE_VERSION, *REQUIRED,
                               "--set", "grafana.dashboard.enabled=true")
             assert result.returncode == 0, result.stderr
             rendered = Rendered([d for d in yaml_module.safe_load_all(result.stdout) if d])
@@ -392,7 +517,7 @@ class TestChaos:
         assert containers(prepare)[0]["command"][2] == (CHART / "files" / "chaos-prepare.py").read_text()
 
     def test_needs_the_drill_database(self, run_helm: Callable[..., HelmResult]) -> None:
-        result = run_helm("template", RELEASE, str(CHART), "--set", f"database.existingSecret={SECRET}",
+        result = run_helm("template", RELEASE, str(CHART), *REQUIRED,
                           "--set", "chaos.enabled=true")
         assert result.returncode != 0
         assert "/chaos/database/existingSecret" in result.stderr, result.stderr
@@ -446,10 +571,22 @@ class TestChaos:
         assert env["KAFKA_BOOTSTRAP_SERVERS"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
 
     def test_chaos_image_defaults_to_the_app_image(self, render: Callable[..., Rendered]) -> None:
-        rendered = render("--set", f"database.existingSecret={SECRET}", "--set", "chaos.enabled=true",
+        rendered = render(*REQUIRED, "--set", "chaos.enabled=true",
                           "--set", "chaos.database.existingSecret=drill-db")
         job = rendered.one("Job", f"{WORKERS}-chaos")
         assert containers(job)[0]["image"] == worker(rendered)["image"]
+
+
+def render_notes(run_helm: Callable[..., HelmResult], tmp_path: Path, *flags: str) -> HelmResult:
+    """`helm template` skips NOTES.txt, so a copy of the chart renders it as a YAML block."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "notes.yaml").write_text(
+        "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
+    return run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                    *REQUIRED, *flags, "--show-only", "templates/notes.yaml")
 
 
 class TestNotes:
@@ -458,19 +595,24 @@ class TestNotes:
     def test_port_forward_runs_in_the_background_before_curl(
         self, run_helm: Callable[..., HelmResult], tmp_path: Path,
     ) -> None:
-        """`port-forward` blocks: `port-forward ... && curl` never reaches curl. `helm template` skips NOTES.txt,
-        so a copy of the chart renders it as a YAML block."""
-        chart = tmp_path / "chart"
-        shutil.copytree(CHART, chart)
-        notes = (chart / "templates" / "NOTES.txt").read_text()
-        (chart / "templates" / "NOTES.txt").unlink()
-        (chart / "templates" / "notes.yaml").write_text(
-            "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines()))
-        result = run_helm("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
-                          "--set", f"database.existingSecret={SECRET}", "--show-only", "templates/notes.yaml")
+        """`port-forward` blocks: `port-forward ... && curl` never reaches curl."""
+        result = render_notes(run_helm, tmp_path)
         assert result.returncode == 0, result.stderr
         forward = next(line for line in result.stdout.splitlines() if "port-forward" in line)
         assert forward.rstrip().endswith(f"port-forward deploy/{WORKERS} 9108:9108 &")
         assert "&&" not in result.stdout
         assert "curl -s localhost:9108/metrics" in result.stdout
         assert "helm test" in result.stdout
+
+    def test_a_network_policy_without_metrics_peers_is_pointed_out(
+        self, run_helm: Callable[..., HelmResult], tmp_path: Path,
+    ) -> None:
+        """Only helm test may reach the metrics port then: scraping would fail silently, so the notes say it."""
+        result = render_notes(run_helm, tmp_path, "--set", "networkPolicy.enabled=true")
+        assert result.returncode == 0, result.stderr
+        assert "list your Prometheus in networkPolicy.metricsFrom" in result.stdout
+        (tmp_path / "again").mkdir()
+        result = render_notes(run_helm, tmp_path / "again", "--set", "networkPolicy.enabled=true",
+                              "--set", "networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus")
+        assert result.returncode == 0, result.stderr
+        assert "metricsFrom" not in result.stdout

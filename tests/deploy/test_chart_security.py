@@ -11,7 +11,7 @@ import pytest
 
 from stock_ledger.config import load_settings
 
-from .support import CHART, KUBE_VERSION, NAMESPACE, SECRET, HelmResult, Rendered, env_by_name, kn, pod_spec
+from .support import CHART, KUBE_VERSION, NAMESPACE, REQUIRED, HelmResult, Rendered, env_by_name, kn, pod_spec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.deploy
 
 VALUES_SECURE = Path(__file__).resolve().parent / "values-secure.yaml"
-WITH_SECRET = ("--set", f"database.existingSecret={SECRET}")
 SASL = ("--set", "kafka.security.protocol=SASL_SSL", "--set", "kafka.security.sasl.mechanism=SCRAM-SHA-512",
         "--set", "kafka.security.sasl.username=svc", "--set", "kafka.security.sasl.passwordSecret.name=kafka-pw")
 
@@ -122,7 +121,7 @@ def test_a_created_service_account_carries_its_annotations(secure_render: Render
 
 
 def test_an_existing_service_account_is_used_by_name(render: Callable[..., Rendered]) -> None:
-    rendered = render(*WITH_SECRET, "--set", "serviceAccount.name=inventory-workers")
+    rendered = render(*REQUIRED, "--set", "serviceAccount.name=inventory-workers")
     assert "ServiceAccount" not in rendered.kinds()
     assert pod_spec(rendered.one("Deployment"))["serviceAccountName"] == "inventory-workers"
 
@@ -135,7 +134,7 @@ def test_plaintext_defaults_mount_nothing(default_render: Rendered) -> None:
 
 
 def test_a_sasl_ssl_release_without_a_ca_uses_the_system_cas(render: Callable[..., Rendered]) -> None:
-    env = env_by_name(_worker(render(*WITH_SECRET, *SASL)))
+    env = env_by_name(_worker(render(*REQUIRED, *SASL)))
     assert env["KAFKA_SECURITY_PROTOCOL"]["value"] == "SASL_SSL"
     assert "KAFKA_SSL_CA_FILE" not in env
 
@@ -143,26 +142,26 @@ def test_a_sasl_ssl_release_without_a_ca_uses_the_system_cas(render: Callable[..
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        pytest.param((*WITH_SECRET, "--set", "kafka.security.protocol=SASL_SSL"), ["/kafka/security"],
+        pytest.param((*REQUIRED, "--set", "kafka.security.protocol=SASL_SSL"), ["/kafka/security"],
                      id="sasl-without-anything"),
-        pytest.param((*WITH_SECRET, *SASL, "--set", "kafka.security.sasl.mechanism="), ["mechanism"],
+        pytest.param((*REQUIRED, *SASL, "--set", "kafka.security.sasl.mechanism="), ["mechanism"],
                      id="sasl-without-mechanism"),
-        pytest.param((*WITH_SECRET, *SASL, "--set", "kafka.security.sasl.passwordSecret.name="), ["name"],
+        pytest.param((*REQUIRED, *SASL, "--set", "kafka.security.sasl.passwordSecret.name="), ["name"],
                      id="sasl-without-password-secret"),
-        pytest.param((*WITH_SECRET, *SASL, "--set", "kafka.security.sasl.username="), ["username"],
+        pytest.param((*REQUIRED, *SASL, "--set", "kafka.security.sasl.username="), ["username"],
                      id="sasl-without-username"),
-        pytest.param((*WITH_SECRET, "--set", "kafka.security.sasl.mechanism=PLAIN"), ["mechanism"],
+        pytest.param((*REQUIRED, "--set", "kafka.security.sasl.mechanism=PLAIN"), ["mechanism"],
                      id="sasl-values-with-plaintext"),
-        pytest.param((*WITH_SECRET, "--set", "kafka.security.tls.ca.secretName=ca"), ["secretName"],
+        pytest.param((*REQUIRED, "--set", "kafka.security.tls.ca.secretName=ca"), ["secretName"],
                      id="ca-with-plaintext"),
-        pytest.param((*WITH_SECRET, *SASL, "--set", "kafka.security.tls.ca.secretName=a",
+        pytest.param((*REQUIRED, *SASL, "--set", "kafka.security.tls.ca.secretName=a",
                       "--set", "kafka.security.tls.ca.configMapName=b"), ["/kafka/security/tls/ca"],
                      id="ca-from-both"),
-        pytest.param((*WITH_SECRET, "--set", "kafka.security.protocol=TLS"), ["/kafka/security/protocol"],
+        pytest.param((*REQUIRED, "--set", "kafka.security.protocol=TLS"), ["/kafka/security/protocol"],
                      id="unknown-protocol"),
-        pytest.param((*WITH_SECRET, "--set", "database.sslmodeMin=strict"), ["/database/sslmodeMin"],
+        pytest.param((*REQUIRED, "--set", "database.sslmodeMin=strict"), ["/database/sslmodeMin"],
                      id="unknown-sslmode"),
-        pytest.param((*WITH_SECRET, "--set", "serviceAccount.token=true"), ["/serviceAccount"],
+        pytest.param((*REQUIRED, "--set", "serviceAccount.token=true"), ["/serviceAccount"],
                      id="unknown-service-account-key"),
     ],
 )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .support import CHART, KUBE_VERSION, SECRET, VALUES_ALL, HelmResult, Rendered, kn, require_tool
+from .support import CHART, KUBE_VERSION, REQUIRED, VALUES_ALL, HelmResult, Rendered, kn, require_tool
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.deploy
 
 # Custom resources: validated by the checks below, not by the built-in schemas. Any other kind without a
 # schema fails the schema test, so a new CRD must be added here deliberately.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+                ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def promtool_check_rules(path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     "values_args",
     [
-        pytest.param(("--set", f"database.existingSecret={SECRET}"), id="default"),
+        pytest.param(REQUIRED, id="default"),
         pytest.param(("--values", str(VALUES_ALL)), id="all"),
     ],
 )

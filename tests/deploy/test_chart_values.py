@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from .support import CHART, KUBE_VERSION, SECRET, HelmResult
+from .support import CHART, KUBE_VERSION, REQUIRED, HelmResult
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 pytestmark = pytest.mark.deploy
 
-WITH_SECRET = ("--set", f"database.existingSecret={SECRET}")
 
 
 @pytest.fixture
@@ -31,29 +30,33 @@ def template(run_helm: Callable[..., HelmResult]) -> Callable[..., HelmResult]:
     ("flags", "expected"),
     [
         pytest.param(
-            (*WITH_SECRET, "--set", "replicaCount=25"), ["/replicaCount", "maximum", "24"], id="replicas-25"
+            (*REQUIRED, "--set", "replicaCount=25"), ["/replicaCount", "maximum", "24"], id="replicas-25"
         ),
         pytest.param(
-            (*WITH_SECRET, "--set", "replicaCount=0"), ["/replicaCount", "minimum"], id="replicas-0"
+            (*REQUIRED, "--set", "replicaCount=0"), ["/replicaCount", "minimum"], id="replicas-0"
         ),
         pytest.param((), ["/database", "existingSecret"], id="missing-secret"),
         pytest.param(("--set", "database.existingSecret="), ["/database/existingSecret"], id="empty-secret"),
-        pytest.param((*WITH_SECRET, "--set", "image.tag=latest"), ["/image/tag"], id="latest-tag"),
-        pytest.param((*WITH_SECRET, "--set", "image.repository="), ["/image/repository"], id="no-repository"),
-        pytest.param((*WITH_SECRET, "--set", "image.digest=md5:abc"), ["/image/digest"], id="bad-digest"),
+        pytest.param((*REQUIRED, "--set", "image.tag=latest"), ["/image/tag"], id="latest-tag"),
+        pytest.param((*REQUIRED, "--set", "image.repository="), ["/image/repository"], id="no-repository"),
+        pytest.param((*REQUIRED, "--set", "image.digest=md5:abc"), ["/image/digest"], id="bad-digest"),
+        pytest.param((*REQUIRED, "--set", "image.registry=https://r.example.com"), ["/image/registry"],
+                     id="registry-with-scheme"),
+        pytest.param((*REQUIRED, "--set", "image.registry=r.example.com/"), ["/image/registry"],
+                     id="registry-with-slash"),
         pytest.param(
-            (*WITH_SECRET, "--set", "config.batchSize=5"), ["/config", "batchSize"], id="unknown-config"
+            (*REQUIRED, "--set", "config.batchSize=5"), ["/config", "batchSize"], id="unknown-config"
         ),
-        pytest.param((*WITH_SECRET, "--set", "replicas=3"), ["replicas"], id="unknown-top-level-key"),
-        pytest.param((*WITH_SECRET, "--set", "config.logFormat=xml"), ["/config/logFormat"], id="bad-enum"),
+        pytest.param((*REQUIRED, "--set", "replicas=3"), ["replicas"], id="unknown-top-level-key"),
+        pytest.param((*REQUIRED, "--set", "config.logFormat=xml"), ["/config/logFormat"], id="bad-enum"),
         pytest.param(
-            (*WITH_SECRET, "--set", "securityContext.runAsUser=0"),
+            (*REQUIRED, "--set", "securityContext.runAsUser=0"),
             ["/securityContext/runAsUser"],
             id="root-uid",
         ),
-        pytest.param((*WITH_SECRET, "--set", "chaos.interval=5"), ["/chaos/interval"], id="bad-interval"),
+        pytest.param((*REQUIRED, "--set", "chaos.interval=5"), ["/chaos/interval"], id="bad-interval"),
         pytest.param(
-            (*WITH_SECRET, "--set", "podLabels.app\\.kubernetes\\.io/name=x"),
+            (*REQUIRED, "--set", "podLabels.app\\.kubernetes\\.io/name=x"),
             ["/podLabels"],
             id="label-override",
         ),
@@ -72,14 +75,14 @@ def test_schema_rejects(
 
 def test_replicas_beyond_partitions_rejected(template: Callable[..., HelmResult]) -> None:
     """A topic with fewer partitions than replicas would leave workers idle: the chart refuses."""
-    result = template(*WITH_SECRET, "--set", "kafka.partitions=12", "--set", "replicaCount=13")
+    result = template(*REQUIRED, "--set", "kafka.partitions=12", "--set", "replicaCount=13")
     assert result.returncode != 0
     assert "replicaCount 13 exceeds kafka.partitions 12" in result.stderr, result.stderr
 
 
 def test_grace_period_must_outlast_shutdown_grace(template: Callable[..., HelmResult]) -> None:
     """SIGKILL must not land while the worker still finishes its batch (shutdown grace 8 s + closing)."""
-    result = template(*WITH_SECRET, "--set", "terminationGracePeriodSeconds=10")
+    result = template(*REQUIRED, "--set", "terminationGracePeriodSeconds=10")
     assert result.returncode != 0
     assert "terminationGracePeriodSeconds 10 leaves too little room" in result.stderr, result.stderr
 
@@ -87,5 +90,5 @@ def test_grace_period_must_outlast_shutdown_grace(template: Callable[..., HelmRe
 def test_bounds_are_accepted(template: Callable[..., HelmResult]) -> None:
     """The extremes the schema allows do render: 1 and 24 replicas."""
     for replicas in (1, 24):
-        result = template(*WITH_SECRET, "--set", f"replicaCount={replicas}")
+        result = template(*REQUIRED, "--set", f"replicaCount={replicas}")
         assert result.returncode == 0, result.stderr

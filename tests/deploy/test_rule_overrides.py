@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .support import CHART, SECRET, HelmResult, Rendered, require_tool
+from .support import CHART, REQUIRED, HelmResult, Rendered, require_tool
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.deploy
 
-BASE = ("--set", f"database.existingSecret={SECRET}", "--set", "metrics.prometheusRule.enabled=true")
+BASE = (*REQUIRED, "--set", "metrics.prometheusRule.enabled=true")
 RUNBOOK = "https://git.example.com/inventory/stock-ledger/blob/v1/docs/runbook.md"
 
 

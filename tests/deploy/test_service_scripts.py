@@ -1,4 +1,5 @@
-"""scripts/kafka.sh, scripts/postgres.sh and the CA they share are shellcheck-clean (warnings and worse)."""
+"""scripts/kafka.sh, scripts/postgres.sh, scripts/pgbouncer.sh and the CA they share are shellcheck-clean (warnings
+and worse)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .support import REPO, require_tool
 pytestmark = pytest.mark.deploy
 
 
-@pytest.mark.parametrize("script", ["kafka.sh", "postgres.sh", "ca.sh"])
+@pytest.mark.parametrize("script", ["kafka.sh", "postgres.sh", "pgbouncer.sh", "ca.sh"])
 def test_shellcheck_clean(script: str) -> None:
     result = subprocess.run(
         [require_tool("shellcheck"), "--severity=warning", "--external-sources", f"scripts/{script}"],

@@ -12,7 +12,17 @@ import asyncpg
 import pytest
 
 from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, eventually, movement, send_raw, stored_offsets, wait_drained
+from tests.helpers import (
+    Env,
+    Services,
+    WorkerPool,
+    end_offsets,
+    eventually,
+    movement,
+    send_raw,
+    stored_offsets,
+    wait_drained,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -106,6 +116,35 @@ async def test_readyz_is_503_until_every_assigned_partition_is_claimed(
         await blocker.close()
 
 
+async def test_the_ready_gauge_returns_to_1_with_readyz_after_a_database_outage(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """A drained worker is ready (gauge 1, /readyz 200). The database refuses new sessions (CONNECTION LIMIT 0) and
+    the worker's sessions are terminated; movements arrive: the batch fails, /readyz 503 "PostgreSQL not
+    connected" and the gauge 0. The database accepts sessions again: the batch commits, /readyz 200, and the gauge
+    is 1 again (it used to stay 0 until the next claim)."""
+    await produce(services.kafka, topic, 100, seed=33, show_progress=False)
+    w = workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    await eventually(lambda: w.get("/readyz")[0] == 200 and w.metric("stock_ledger_ready") == 1, 30, "ready",
+                     workers)
+    owner = await asyncpg.connect(database.owner_url)
+    try:
+        await owner.execute(f'ALTER DATABASE "{database.name}" CONNECTION LIMIT 0')
+        await owner.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 "
+                            "AND pid <> pg_backend_pid()", database.name)
+        await produce(services.kafka, topic, 50, seed=34, show_progress=False)
+        await eventually(lambda: w.get("/readyz")[0] == 503 and w.metric("stock_ledger_ready") == 0, 30,
+                         "not ready while the database refuses sessions", workers)
+        assert "PostgreSQL not connected" in w.get("/readyz")[1]
+        await owner.execute(f'ALTER DATABASE "{database.name}" CONNECTION LIMIT -1')
+    finally:
+        await owner.close()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    await eventually(lambda: w.get("/readyz")[0] == 200, 30, "/readyz 200 once the database is back", workers)
+    await eventually(lambda: w.metric("stock_ledger_ready") == 1, 10, "the gauge to follow /readyz", workers)
+
+
 async def test_healthz_turns_503_when_the_main_loop_stalls_and_lag_keeps_growing(
     services: Services, database: Env, topic: str, workers: WorkerPool,
 ) -> None:
@@ -157,6 +196,68 @@ async def test_one_pod_leads_the_monitors_and_another_takes_over_when_it_freezes
     successor = next(w for w in leaders() if w is not leader)
     await eventually(lambda: len(_per_partition(successor, "stock_ledger_partition_lag_messages")) == 24, 30,
                      "the new leader's partition gauges", workers)
+
+
+# The gauges only the monitor leader exports (metrics.LeaderOnly).
+LEADER_ONLY = frozenset({
+    "stock_ledger_partition_db_offset", "stock_ledger_partition_log_end_offset",
+    "stock_ledger_partition_kafka_committed_offset", "stock_ledger_partition_lag_messages",
+    "stock_ledger_partition_offset_drift_messages", "stock_ledger_partition_gap_messages",
+    "stock_ledger_partition_lag_seconds", "stock_ledger_ledger_coordinates_unique",
+    "stock_ledger_ledger_partitions_ahead_of_offset", "stock_ledger_ledger_stock_level_mismatches",
+    "stock_ledger_ledger_missing_records", "stock_ledger_negative_stock_levels", "stock_ledger_negative_stock_units",
+})
+
+
+def _exported(worker) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    _, body = worker.get("/metrics")
+    return {s.name for f in text_string_to_metric_families(body) for s in f.samples}
+
+
+async def test_a_former_leader_thawed_exports_none_of_the_leaders_gauges(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """Two workers drain 500 movements; only the leader exports the partition and ledger gauges, the other none.
+    The leader is frozen (SIGSTOP) until the other takes the lease, then thawed, and 300 more movements are
+    produced and drained: the former leader exports stock_ledger_monitor_leader 0 and none of the partition or
+    ledger gauges (it used to keep its last log end offsets beside the leader's), while the new leader's show the
+    log ends after the 800 movements, lag 0 and clean invariants."""
+    await produce(services.kafka, topic, 500, seed=41, show_progress=False)
+    pool = [workers.start() for _ in range(2)]
+    await wait_drained(services, database, topic, workers.group, 90, workers)
+
+    def leaders() -> list:
+        return [w for w in pool if w.alive() and w.metric("stock_ledger_monitor_leader") == 1]
+
+    await eventually(lambda: len(leaders()) == 1 and all(w.metric("stock_ledger_monitor_leader") is not None
+                                                         for w in pool), 30, "one monitor leader", workers)
+    [leader] = leaders()
+    [other] = [w for w in pool if w is not leader]
+    await eventually(lambda: len(_per_partition(leader, "stock_ledger_partition_log_end_offset")) == 24, 30,
+                     "the leader's partition gauges", workers)
+    assert not _exported(other) & LEADER_ONLY, "a pod that never led exports the leader's gauges"
+    leader.signal(signal.SIGSTOP)
+    try:
+        await eventually(lambda: other.metric("stock_ledger_monitor_leader") == 1, 45,
+                         "the other pod to take the lease from the frozen leader", workers)
+    finally:
+        leader.signal(signal.SIGCONT)
+    await produce(services.kafka, topic, 300, seed=42, show_progress=False)
+    await wait_drained(services, database, topic, workers.group, 90, workers)
+    ends = await end_offsets(services.kafka, topic)
+    await eventually(lambda: _per_partition(other, "stock_ledger_partition_log_end_offset") == ends
+                     and sum(_per_partition(other, "stock_ledger_partition_lag_messages").values()) == 0, 30,
+                     "the new leader's gauges at the new log ends", workers)
+    assert sum(ends.values()) == 800
+    await eventually(lambda: leader.alive() and leader.metric("stock_ledger_monitor_leader") == 0
+                     and not _exported(leader) & LEADER_ONLY, 30,
+                     "the former leader to export none of the leader's gauges", workers)
+    assert other.metric("stock_ledger_ledger_coordinates_unique") == 1
+    assert other.metric("stock_ledger_ledger_stock_level_mismatches") == 0
+    assert other.metric("stock_ledger_negative_stock_levels") is not None
+    assert not _exported(leader) & LEADER_ONLY
 
 
 async def test_lag_in_seconds_is_the_age_of_the_oldest_unapplied_record(

@@ -38,12 +38,12 @@ class Result:
         return json.loads(self.out)
 
 
-async def cli(pool: WorkerPool, *args: str, url: str | None = None) -> Result:
-    """`stock-ledger <args>` as the owner role, against the pool's topic and group."""
+async def cli(pool: WorkerPool, *args: str, url: str | None = None, **extra: str) -> Result:
+    """`stock-ledger <args>` as the owner role, against the pool's topic and group (`extra`: more environment)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
     env.update({"KAFKA_BOOTSTRAP_SERVERS": pool.services.kafka, "DATABASE_URL": url or pool.db.owner_url,
                 "STOCK_LEDGER_TOPIC": pool.topic, "STOCK_LEDGER_GROUP_ID": pool.group,
-                "STOCK_LEDGER_LOG_FORMAT": "json"})
+                "STOCK_LEDGER_LOG_FORMAT": "json"} | extra)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "stock_ledger", *args, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 120)
@@ -90,6 +90,17 @@ async def _group_empty(services: Services, group: str) -> bool:
     finally:
         await admin.close()
     return all(not g["members"] for r in responses for g in r.to_object()["groups"])
+
+
+async def _operator_waits(database: Env) -> bool:
+    """An operator command's session waits for a lock (asked from a session of its own: pg_stat_activity is a
+    snapshot per transaction)."""
+    conn = await asyncpg.connect(database.owner_url)
+    try:
+        return bool(await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                        "AND application_name = 'stock-ledger-operator'"))
+    finally:
+        await conn.close()
 
 
 async def _applied_offsets(database: Env) -> list[int]:
@@ -242,6 +253,129 @@ class TestOffsets:
         workers.start()
         await wait_drained(services, database, topic, workers.group, 90, workers)
         await assert_exact(services, database, topic, workers.group, rows=16, pool=workers)
+
+
+    async def test_a_group_that_does_not_own_the_ledger_is_refused(
+        self, services: Services, database: Env, topic: str, workers: WorkerPool,
+    ) -> None:
+        """The workers' group owns the ledger. `offsets set` with another group id (the default, a typo) is
+        refused (exit 1, naming both groups and STOCK_LEDGER_GROUP_ID), writes no row for that group, and a worker
+        of the owning group still starts and applies what arrives."""
+        await send_to(services.kafka, topic, PARTITION, 5)
+        await drain_and_stop(services, database, topic, workers)
+        typo = await cli(workers, "offsets", "set", "--partition", str(PARTITION), "--to-log-end", "--note", "x",
+                         STOCK_LEDGER_GROUP_ID="stock-ledger")
+        assert typo.code == 1, typo.out
+        assert f"holds the ledger of consumer group '{workers.group}', not 'stock-ledger'" in typo.err
+        assert "STOCK_LEDGER_GROUP_ID" in typo.err
+        conn = await asyncpg.connect(database.owner_url)
+        try:
+            groups = [r[0] for r in await conn.fetch("SELECT DISTINCT group_id FROM consumer_offsets")]
+        finally:
+            await conn.close()
+        assert groups == [workers.group]
+        await send_to(services.kafka, topic, PARTITION, 3)
+        workers.start()
+        await wait_drained(services, database, topic, workers.group, 60, workers)
+        await assert_exact(services, database, topic, workers.group, rows=8, pool=workers)
+
+    async def test_several_partitions_to_the_log_end_show_the_plan_first(
+        self, services: Services, database: Env, topic: str, workers: WorkerPool,
+    ) -> None:
+        """Partitions 1, 2 and 5 hold 4, 5 and 6 records, never claimed. `--partition 1,2 --partition 5
+        --to-log-end --dry-run` prints the plan (one row each: before, after, records skipped) and changes
+        nothing; the real run prints the plan, then one `moved` line and one acknowledged gap per partition; the
+        stored offsets are the log ends, and a worker then applies nothing of them. --json of several partitions
+        is {"changes": [...]}; one refused partition (an offset outside its log) moves none."""
+        for p, n in ((1, 4), (2, 5), (5, 6)):
+            await send_to(services.kafka, topic, p, n)
+        dry = await cli(workers, "offsets", "set", "--partition", "1,2", "--partition", "5", "--to-log-end",
+                        "--note", "INC-7 skip", "--dry-run")
+        assert dry.code == 0, dry.err
+        lines = dry.out.splitlines()
+        assert lines[0].startswith("plan (dry run: nothing changes):")
+        assert [line.split()[:6] for line in lines[2:5]] == [["1", "-", "4", "0", "4", "4"],
+                                                             ["2", "-", "5", "0", "5", "5"],
+                                                             ["5", "-", "6", "0", "6", "6"]]
+        assert sum("would move" in line for line in lines) == 3
+        conn = await asyncpg.connect(database.owner_url)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM consumer_offsets") == 0
+            assert await conn.fetchval("SELECT count(*) FROM ledger_gaps") == 0
+        finally:
+            await conn.close()
+
+        outside = await cli(workers, "offsets", "set", "--partition", "1,2", "--offset", "5", "--note", "x")
+        assert outside.code == 1
+        assert "outside the log of partition 1" in outside.err
+
+        moved = await cli(workers, "offsets", "set", "--partition", "1,2", "--partition", "5", "--to-log-end",
+                          "--note", "INC-7 skip")
+        assert moved.code == 0, moved.err
+        lines = moved.out.splitlines()
+        assert lines[0].startswith("plan: ")
+        assert lines.index(next(x for x in lines if x.startswith("moved"))) > 4  # the plan comes first
+        assert sum(x.startswith("moved") for x in lines) == 3
+        assert sum(x.startswith("recorded gap") for x in lines) == 3
+        for p, n in ((1, 4), (2, 5), (5, 6)):
+            assert await stored(database, workers.group, topic, p) == (n, 1)
+        conn = await asyncpg.connect(database.owner_url)
+        try:
+            gaps = [tuple(r) for r in await conn.fetch(
+                "SELECT partition, first_offset, last_offset, acknowledged_at IS NOT NULL FROM ledger_gaps "
+                "ORDER BY partition")]
+        finally:
+            await conn.close()
+        assert gaps == [(1, 0, 3, True), (2, 0, 4, True), (5, 0, 5, True)]
+
+        again = await cli(workers, "offsets", "set", "--partition", "1", "--partition", "2", "--to-log-end",
+                          "--json")
+        assert again.code == 0, again.err
+        assert [(c["partition"], c["next_offset_after"], c["gap"]) for c in again.json()["changes"]] == [
+            (1, 4, None), (2, 5, None)]
+        workers.start()
+        await wait_drained(services, database, topic, workers.group, 60, workers)
+        conn = await asyncpg.connect(database.owner_url)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM stock_movements") == 0
+        finally:
+            await conn.close()
+
+    async def test_a_claim_racing_a_move_on_a_partition_never_claimed_waits_for_it(
+        self, services: Services, database: Env, topic: str, workers: WorkerPool,
+    ) -> None:
+        """Partition 3 holds 10 records and was never claimed. A claim and a first batch (offsets 0..4, stored
+        offset 5) run in one open transaction, as the worker does, while `offsets set --offset 2` runs: the
+        command must wait for it (it cannot lock a row that does not exist yet unless it inserts one), then see
+        the batch and refuse (5 is the lowest allowed). Without the lock it checked the floor of an empty
+        partition (0), and its move then rewound the committed batch to 2: records 2..4 would be applied twice."""
+        await send_to(services.kafka, topic, PARTITION, 10)
+        claim = await asyncpg.connect(database.owner_url)
+        try:
+            tx = claim.transaction()
+            await tx.start()
+            await claim.execute(
+                "INSERT INTO consumer_offsets (group_id, topic, partition, epoch, generation, member_id, claimed_at) "
+                "VALUES ($1, $2, $3, 1, 1, 'worker', now())", workers.group, topic, PARTITION)
+            running = asyncio.ensure_future(cli(workers, "offsets", "set", "--partition", str(PARTITION),
+                                                "--offset", "2", "--note", "x",
+                                                STOCK_LEDGER_LOCK_TIMEOUT_MS="60000"))
+
+            await eventually(lambda: running.done() or _operator_waits(database), 30, "offsets set to wait")
+            for offset in range(5):
+                await claim.execute(
+                    "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
+                    "kafka_partition, kafka_offset) VALUES (gen_random_uuid(), 'WH-1', 'SKU-1', 1, 'receipt', now(), "
+                    "$1, $2, $3)", topic, PARTITION, offset)
+            await claim.execute("UPDATE consumer_offsets SET next_offset = 5 WHERE group_id = $1 AND partition = $2",
+                                workers.group, PARTITION)
+            await tx.commit()
+            refused = await running
+        finally:
+            await claim.close()
+        assert refused.code == 1, refused.out
+        assert "lowest allowed is 5" in refused.err
+        assert await stored(database, workers.group, topic, PARTITION) == (5, 1)
 
 
 class TestRejected:

@@ -18,6 +18,7 @@ from aiokafka.structs import TopicPartition
 
 from stock_ledger.produce import produce
 from tests.helpers import Env, Services, WorkerPool, end_offsets, wait_drained
+from tests.integration.test_operate import cli, send_to
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -234,3 +235,64 @@ async def test_a_retention_hole_and_an_open_gap_fail_until_acknowledged(
     await sql(database, "UPDATE ledger_gaps SET acknowledged_at = now(), acknowledged_by = 'test'")
     acked = await run_verify(workers)
     assert acked.check("no unacknowledged gap (ledger_gaps)") == "ok      none"
+
+
+async def test_records_skipped_with_an_acknowledged_gap_are_reported_not_failed(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """The issue's scenario through the CLI. 10 records of partition 2 are applied; the worker stops; 60 more
+    arrive and `offsets set --partition 2 --offset 61 --note ...` skips 10..60 (51 records, which stay in the
+    topic), recording an acknowledged gap; a worker applies the rest. verify exits 0: no gap, and the row
+    "acknowledged gap p2: 10-60 by <owner>, note: ..." names the range. The same range unacknowledged (a gap
+    recorded but not yet reconciled) fails: its 51 records are missing again, and the open gap is named."""
+    await send_to(services.kafka, topic, 2, 10)
+    await drain(services, database, topic, workers, 0)
+    stop(workers)
+    await send_to(services.kafka, topic, 2, 60)
+    moved = await cli(workers, "offsets", "set", "--partition", "2", "--offset", "61", "--note", "INC-9 skip")
+    assert moved.code == 0, moved.err
+    workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    owner = await sql(database, "SELECT current_user")
+
+    v = await run_verify(workers)
+    assert v.code == 0, v.stdout
+    assert v.check("gaps (in topic, in neither table)") == "ok      none"
+    assert v.check("acknowledged gaps (skipped on purpose)") == (
+        f"ok      51 records in the topic: acknowledged gap p2: 10-60 by {owner}, note: INC-9 skip (51 records)")
+
+    await sql(database, "UPDATE ledger_gaps SET acknowledged_at = NULL, acknowledged_by = NULL")
+    unacked = await run_verify(workers)
+    assert unacked.code == 1
+    assert unacked.check("gaps (in topic, in neither table)") == "FAIL    51 records: p2: 10-60"
+    assert unacked.check("acknowledged gaps (skipped on purpose)") == "ok      none"
+    assert unacked.check("no unacknowledged gap (ledger_gaps)").startswith("FAIL    1 open: p2 10-60 (operator_skip)")
+
+
+async def test_json_output_carries_the_same_checks_and_each_partitions_findings(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """`verify --json` after one deleted movement: one JSON document on stdout with ok false, the same check names
+    and results as the table, and the gap as offsets [1, 1] of its partition (others clean); same exit code 1."""
+    import json  # noqa: PLC0415
+
+    await drain(services, database, topic, workers, 1_200)
+    stop(workers)
+    ends = await end_offsets(services.kafka, topic)
+    p_gap = min(p for p, e in ends.items() if e >= 3)
+    await sql(database, "DELETE FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = $2 "
+                        "AND kafka_offset = 1", topic, p_gap)
+    text, machine = await run_verify(workers), await run_verify(workers, "--json")
+    assert (text.code, machine.code) == (1, 1)
+    document = json.loads(machine.stdout)
+    assert document["ok"] is False
+    assert document["rows"] == 1_199
+    rows = {line.split("  ")[0] for line in text.stdout.splitlines()[2:-1]}
+    assert {c["name"] for c in document["checks"]} == rows
+    gaps = next(c for c in document["checks"] if c["name"] == "gaps (in topic, in neither table)")
+    assert gaps["ok"] is False
+    assert gaps["detail"] == text.check("gaps (in topic, in neither table)").removeprefix("FAIL").strip()
+    by_partition = {p["partition"]: p for p in document["partitions"]}
+    assert len(by_partition) == 24
+    assert by_partition[p_gap]["missing"] == {"offsets": 1, "runs": 1, "sample": [[1, 1]]}
+    assert all(not p["missing"]["offsets"] for n, p in by_partition.items() if n != p_gap)

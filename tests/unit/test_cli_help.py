@@ -17,6 +17,8 @@ def test_version_and_help_list_the_environment() -> None:
     top = run("--help")
     for command in ("run", "migrate", "verify", "offsets", "rejected", "repair"):
         assert f"  {command}: " in top
+    assert "exit codes: 0 success; 1 failure" in top
+    assert "every database error included" in top
     assert "STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS" in run("migrate", "--help")
     assert "DATABASE_URL (the owner role)" in run("offsets", "set", "--help")
     assert "STOCK_LEDGER_GROUP_ID" in run("offsets", "show", "--help")
@@ -25,3 +27,4 @@ def test_version_and_help_list_the_environment() -> None:
     assert "DATABASE_URL (the owner role)" in fix
     assert "KAFKA_BOOTSTRAP_SERVERS" in fix
     assert "3 some range is gone from" in fix
+    assert "--json" in run("verify", "--help")

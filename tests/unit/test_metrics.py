@@ -64,7 +64,9 @@ def metrics() -> Metrics:
 
 
 def exposition(metrics: Metrics) -> str:
-    """Every labelled family gets one child so its samples (and label names) appear in the text."""
+    """Every labelled family gets one child so its samples (and label names) appear in the text; as the monitor
+    leader, which alone exports the partition and ledger gauges."""
+    metrics.lead(leading=True)
     for gauge in (
         metrics.db_offset,
         metrics.log_end_offset,
@@ -133,6 +135,47 @@ def test_labelled_counters_start_at_zero_for_every_value(metrics: Metrics) -> No
     for cause in ("database", "kafka", "lock", "movement_id_race"):  # what retry.transient_cause returns
         assert registry.get_sample_value("stock_ledger_retries_total", {"cause": cause}) == 0
     assert registry.get_sample_value("stock_ledger_ready") == 0
+
+
+LEADER_ONLY = (
+    "stock_ledger_partition_db_offset", "stock_ledger_partition_log_end_offset",
+    "stock_ledger_partition_kafka_committed_offset", "stock_ledger_partition_lag_messages",
+    "stock_ledger_partition_offset_drift_messages", "stock_ledger_partition_gap_messages",
+    "stock_ledger_partition_lag_seconds", "stock_ledger_ledger_coordinates_unique",
+    "stock_ledger_ledger_partitions_ahead_of_offset", "stock_ledger_ledger_stock_level_mismatches",
+    "stock_ledger_ledger_missing_records", "stock_ledger_negative_stock_levels", "stock_ledger_negative_stock_units",
+)
+
+
+def test_only_the_monitor_leader_exports_the_partition_and_ledger_gauges(metrics: Metrics) -> None:
+    """1. A pod that never held the lease exports none of the leader's gauges (monitor_leader 0).
+    2. Leading: the ledger gauges start at their defaults (coordinates_unique 1, the rest 0) and show what the
+       timers set.
+    3. The lease lost (a frozen leader thawed): every one of them disappears, though a refresh still sets them.
+    4. Leading again: nothing of the earlier term comes back; values start afresh."""
+    def names() -> set[str]:
+        return set(types(generate_latest(metrics.registry).decode()))
+
+    metrics.lead(leading=False)
+    assert metrics.registry.get_sample_value("stock_ledger_monitor_leader") == 0
+    assert not names() & set(LEADER_ONLY)
+    metrics.lead(leading=True)
+    assert metrics.registry.get_sample_value("stock_ledger_ledger_coordinates_unique") == 1
+    assert metrics.registry.get_sample_value("stock_ledger_ledger_stock_level_mismatches") == 0
+    metrics.lag.labels("g", "t", "0").set(93)
+    metrics.level_mismatches.set(3)
+    metrics.negative_stock_levels.set(2)
+    assert metrics.registry.get_sample_value("stock_ledger_partition_lag_messages",
+                                             {"group": "g", "topic": "t", "partition": "0"}) == 93
+    metrics.lead(leading=False)
+    metrics.lag.labels("g", "t", "1").set(107)  # a refresh that finished after the lease was lost
+    assert metrics.registry.get_sample_value("stock_ledger_monitor_leader") == 0
+    assert not names() & set(LEADER_ONLY)
+    metrics.lead(leading=True)
+    assert metrics.registry.get_sample_value("stock_ledger_partition_lag_messages",
+                                             {"group": "g", "topic": "t", "partition": "1"}) is None
+    assert metrics.registry.get_sample_value("stock_ledger_ledger_stock_level_mismatches") == 0
+    assert metrics.registry.get_sample_value("stock_ledger_negative_stock_levels") == 0
 
 
 def test_two_workers_in_one_process_do_not_collide() -> None:

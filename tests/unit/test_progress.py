@@ -82,3 +82,23 @@ def test_real_clock_final_line_has_count_and_rate() -> None:
     last = out.getvalue().splitlines()[-1]
     assert last.startswith("produce: 1,234 in ")
     assert last.endswith("/s)")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("no_color", "escapes"), [("", True), ("1", False)])
+def test_no_color_turns_the_live_line_into_plain_lines(clock: Clock, monkeypatch: pytest.MonkeyPatch,
+                                                       no_color: str, escapes: bool) -> None:
+    """On a terminal the live line redraws with ANSI escapes; with NO_COLOR set to any non-empty value
+    (https://no-color.org) it prints plain lines instead, and an empty NO_COLOR changes nothing."""
+    monkeypatch.setenv("NO_COLOR", no_color)
+    out = _Terminal()
+    p = Progress("verify", 10, stream=out)
+    clock.now += 5
+    p.advance(5)
+    p.finish()
+    assert ("\x1b" in out.getvalue()) is escapes
+    assert ("\r" in out.getvalue()) is escapes

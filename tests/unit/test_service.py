@@ -71,6 +71,38 @@ class TestHealth:
         assert await w.readiness() == (False, "PostgreSQL not connected")
 
 
+    async def test_the_ready_gauge_follows_readiness_when_the_database_comes_back(
+        self, make: Callable[..., Worker]) -> None:
+        """Ready, then a database fault (not ready), then the session is back (`_session`): stock_ledger_ready is
+        what /readyz says at every step, without a claim in between (a gauge set only on claims stayed 0)."""
+        w = make()
+
+        class Session:
+            def is_closed(self) -> bool:
+                return False
+
+            def terminate(self) -> None:
+                pass
+
+        async def connect() -> Session:
+            return Session()
+
+        w._connect = connect  # type: ignore[method-assign,assignment]
+        gauge = lambda: w.metrics.registry.get_sample_value("stock_ledger_ready")  # noqa: E731
+        assert gauge() == 0
+        await w._session()
+        w.assignment.assigned([0])
+        w.assignment.claimed(w.assignment.begin_claim(), {0: (1, 0)})
+        assert (await w.readiness())[0]
+        assert gauge() == 1
+        w._on_fault("database", ConnectionResetError())
+        assert not (await w.readiness())[0]
+        assert gauge() == 0
+        await w._session()
+        assert (await w.readiness())[0]
+        assert gauge() == 1
+
+
 class TestLostSessionReplies:
     """asyncpg orphans a reply future when the server ends a session mid-statement (a frozen worker whose session
     a claim terminated); asyncio then reports it with a stack trace although the statement was already retried."""

@@ -77,27 +77,36 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
-An image reference from a {repository, tag, digest} value; the digest wins when set.
-Call with (dict "image" .Values.image "ctx" $).
+An image reference [registry/]repository:tag, or [registry/]repository@digest (the digest wins when set); an
+empty registry leaves the repository as written. Call with (dict "image" .Values.image "registry" "..." "ctx" $).
 */}}
 {{- define "stock-ledger.imageRef" -}}
+{{- $repository := .image.repository }}
+{{- with .registry }}
+{{- $repository = printf "%s/%s" . $repository }}
+{{- end }}
 {{- if .image.digest }}
-{{- printf "%s@%s" .image.repository .image.digest }}
+{{- printf "%s@%s" $repository .image.digest }}
 {{- else }}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- printf "%s:%s" $repository (default .ctx.Chart.AppVersion .image.tag) }}
 {{- end }}
-{{- end }}
-
-{{- define "stock-ledger.image" -}}
-{{- include "stock-ledger.imageRef" (dict "image" .Values.image "ctx" .) }}
 {{- end }}
 
 {{/*
-The chaos image defaults to the app image; it must also contain kubectl (see values.yaml, chaos.image).
+The app image: workers, the migration hook, helm test, and the chaos drill's prepare Job and workers.
+*/}}
+{{- define "stock-ledger.image" -}}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.image "registry" .Values.image.registry "ctx" .) }}
+{{- end }}
+
+{{/*
+The chaos image defaults to the app image; it must also contain kubectl (see values.yaml, chaos.image). Its
+registry defaults to image.registry.
 */}}
 {{- define "stock-ledger.chaosImage" -}}
 {{- if .Values.chaos.image.repository }}
-{{- include "stock-ledger.imageRef" (dict "image" .Values.chaos.image "ctx" .) }}
+{{- $registry := default .Values.image.registry .Values.chaos.image.registry }}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.chaos.image "registry" $registry "ctx" .) }}
 {{- else }}
 {{- include "stock-ledger.image" . }}
 {{- end }}
@@ -105,6 +114,19 @@ The chaos image defaults to the app image; it must also contain kubectl (see val
 
 {{- define "stock-ledger.databaseSecret" -}}
 {{- required "database.existingSecret is required: the name of an existing Secret holding the worker's DATABASE_URL" .Values.database.existingSecret }}
+{{- end }}
+
+{{/*
+The migration hook's Secret: the owner role's DATABASE_URL. Never the worker's Secret as a fallback: the worker
+role (a member of stock_ledger_app) has no DDL rights, so a hook run with it fails every install and upgrade.
+*/}}
+{{- define "stock-ledger.migrationSecret" -}}
+{{- if not .Values.database.migrationSecret }}
+{{- fail (printf `database.migrationSecret is required while migrations.enabled is true: the migration hook runs DDL as the database's OWNER role, which the worker's Secret (database.existingSecret) cannot. Create a Secret holding the owner role's URL, e.g.
+  kubectl -n %s create secret generic stock-ledger-db-owner --from-literal=DATABASE_URL='postgresql://stock_ledger:...@db:5432/stock_ledger'
+and set database.migrationSecret=stock-ledger-db-owner (database.migrationSecretKey if the key is not %s), or set migrations.enabled=false and run "stock-ledger migrate" as the owner yourself before each install or upgrade` .Release.Namespace .Values.database.secretKey) }}
+{{- end }}
+{{- .Values.database.migrationSecret }}
 {{- end }}
 
 {{/*
@@ -153,12 +175,25 @@ numbers as float64, which would otherwise print 1e+06.
 {{- end }}
 
 {{/*
+runAsNonRoot always; the uid and gid only when set (null leaves them to the platform: OpenShift's restricted-v2
+SCC assigns a uid from the namespace's range, and the image runs under any uid). Printed as integers: Helm reads
+numbers as float64, and an OpenShift-range uid such as 1000680000 would otherwise print as 1.00068e+09.
+*/}}
+{{- define "stock-ledger.runAs" -}}
+runAsNonRoot: true
+{{- with .Values.securityContext.runAsUser }}
+runAsUser: {{ . | int64 }}
+{{- end }}
+{{- with .Values.securityContext.runAsGroup }}
+runAsGroup: {{ . | int64 }}
+{{- end }}
+{{- end }}
+
+{{/*
 Security context of every container of the chart; the pods set the matching pod-level fields.
 */}}
 {{- define "stock-ledger.containerSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: {{ .Values.securityContext.runAsUser }}
-runAsGroup: {{ .Values.securityContext.runAsGroup }}
+{{ include "stock-ledger.runAs" . }}
 readOnlyRootFilesystem: true
 allowPrivilegeEscalation: false
 privileged: false
@@ -169,11 +204,15 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/*
+fsGroup (securityContext.fsGroup, else runAsGroup) owns the mounted Secret files (mode 0440): without one a
+non-root uid could not read them. With both null it is left to the platform (OpenShift assigns one).
+*/}}
 {{- define "stock-ledger.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: {{ .Values.securityContext.runAsUser }}
-runAsGroup: {{ .Values.securityContext.runAsGroup }}
-fsGroup: {{ .Values.securityContext.runAsGroup }}
+{{ include "stock-ledger.runAs" . }}
+{{- with default .Values.securityContext.runAsGroup .Values.securityContext.fsGroup }}
+fsGroup: {{ . | int64 }}
+{{- end }}
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
