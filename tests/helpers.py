@@ -93,13 +93,13 @@ async def scratch_database(services: Services) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def scratch_topic(services: Services, partitions: int | None = 24, configs: dict[str, str] | None = None,
-                        prefix: str = "warehouse.movements.test-") -> AsyncIterator[str]:
+                        prefix: str = "warehouse.movements.test-", replication: int = 1) -> AsyncIterator[str]:
     """A new topic (its name; partitions=None: only the name, for code under test that creates it), deleted
     afterwards (best effort)."""
     name = f"{prefix}{uuid.uuid4().hex[:10]}"
     if partitions is not None:
         async with kafka_admin(services.kafka) as admin:
-            await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
+            await admin.create_topics([NewTopic(name, partitions, replication, topic_configs=configs or {})])
     try:
         yield name
     finally:

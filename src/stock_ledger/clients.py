@@ -244,6 +244,7 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
         rebalance_timeout_ms=s.rebalance_timeout_ms,
         max_poll_interval_ms=max(300_000, s.rebalance_timeout_ms),
         fetch_max_wait_ms=min(500, s.batch_max_wait_ms),
+        metadata_max_age_ms=s.metadata_max_age_ms,
         **kafka_options(s),
     )
 

@@ -184,6 +184,9 @@ class Settings:
     metrics_port: int = 9108
     session_timeout_ms: int = 10_000
     rebalance_timeout_ms: int = 30_000
+    # How often the consumer refreshes the topic's metadata: partitions added at runtime are found (and the group
+    # rebalances onto them) within about this long. aiokafka's default is 300000 (five minutes).
+    metadata_max_age_ms: int = 5_000
     batch_max_records: int = 5_000
     batch_max_wait_ms: int = 200
     auto_offset_reset: OffsetReset = "earliest"
@@ -315,6 +318,7 @@ _VARIABLES: Final[tuple[tuple[str, str, Callable[[str, str], object]], ...]] = (
     ("STOCK_LEDGER_METRICS_PORT", "metrics_port", _ints(0, 65535)),
     ("STOCK_LEDGER_SESSION_TIMEOUT_MS", "session_timeout_ms", _ints(1_000, 300_000)),
     ("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "rebalance_timeout_ms", _ints(1_000, 600_000)),
+    ("STOCK_LEDGER_METADATA_MAX_AGE_MS", "metadata_max_age_ms", _ints(1_000, 3_600_000)),
     ("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", _ints(1, 100_000)),
     ("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", _ints(1, 60_000)),
     ("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", _choice("earliest", "latest", "none")),

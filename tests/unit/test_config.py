@@ -30,6 +30,7 @@ class TestDefaults:
         assert s.metrics_port == 9108
         assert s.session_timeout_ms == 10_000
         assert s.rebalance_timeout_ms == 30_000
+        assert s.metadata_max_age_ms == 5_000  # new partitions within seconds, not aiokafka's five minutes
         assert s.batch_max_records == 5_000
         assert s.batch_max_wait_ms == 200
         assert s.auto_offset_reset == "earliest"  # a ledger must not skip history when no offset is stored
@@ -97,6 +98,7 @@ class TestEachVariable:
             ("STOCK_LEDGER_METRICS_PORT", " 9200 ", "metrics_port", 9200),
             ("STOCK_LEDGER_SESSION_TIMEOUT_MS", "6000", "session_timeout_ms", 6000),
             ("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "45000", "rebalance_timeout_ms", 45000),
+            ("STOCK_LEDGER_METADATA_MAX_AGE_MS", "10000", "metadata_max_age_ms", 10000),
             ("STOCK_LEDGER_BATCH_MAX_RECORDS", "1000", "batch_max_records", 1000),
             ("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "50", "batch_max_wait_ms", 50),
             ("STOCK_LEDGER_AUTO_OFFSET_RESET", "latest", "auto_offset_reset", "latest"),
@@ -146,6 +148,7 @@ class TestBadValues:
             ("STOCK_LEDGER_SESSION_TIMEOUT_MS", "ten seconds"),
             ("STOCK_LEDGER_SESSION_TIMEOUT_MS", "0"),
             ("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "999"),
+            ("STOCK_LEDGER_METADATA_MAX_AGE_MS", "999"),  # a metadata request per client more than once a second
             ("STOCK_LEDGER_BATCH_MAX_RECORDS", "0"),
             ("STOCK_LEDGER_BATCH_MAX_RECORDS", "1e3"),
             ("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "-5"),

@@ -151,6 +151,7 @@ numbers as float64, which would otherwise print 1e+06.
   "logFormat" "STOCK_LEDGER_LOG_FORMAT"
   "sessionTimeoutMs" "STOCK_LEDGER_SESSION_TIMEOUT_MS"
   "rebalanceTimeoutMs" "STOCK_LEDGER_REBALANCE_TIMEOUT_MS"
+  "metadataMaxAgeMs" "STOCK_LEDGER_METADATA_MAX_AGE_MS"
   "batchMaxRecords" "STOCK_LEDGER_BATCH_MAX_RECORDS"
   "batchMaxWaitMs" "STOCK_LEDGER_BATCH_MAX_WAIT_MS"
   "autoOffsetReset" "STOCK_LEDGER_AUTO_OFFSET_RESET"
