@@ -23,6 +23,7 @@ class _FakeSession:
 
     def __init__(self) -> None:
         self.queries: list[tuple[str, tuple[Any, ...]]] = []
+        self.statements: list[str] = []
         self.terminated = False
 
     async def fetchrow(self, query: str, *args: Any) -> tuple[int, int]:
@@ -31,6 +32,13 @@ class _FakeSession:
 
     async def fetchval(self, query: str, *_args: Any) -> int:
         raise AssertionError(f"the pid should be known from the connect already, not asked again: {query}")
+
+    async def execute(self, query: str, *_args: Any) -> str:
+        self.statements.append(query)  # the pinned search_path (schemaguard.pin): a SET, never a startup parameter
+        return "SET"
+
+    async def fetch(self, _query: str, *_args: Any) -> list[Any]:
+        return []  # schemaguard.check: nothing planted, nobody else may create in public
 
     def terminate(self) -> None:
         self.terminated = True
@@ -93,6 +101,7 @@ class TestSessionSettings:
             "lock_timeout": "1234", "idle_in_transaction_session_timeout": "56000", "tcp_keepalives_idle": "30",
             "tcp_keepalives_interval": "10", "tcp_keepalives_count": "3"}
         assert await backend_pid(conn) == 4242  # type: ignore[arg-type]
+        assert any("search_path" in q for q in session.statements)
         clients._backend_pids.pop(conn)  # type: ignore[call-overload]
 
     @pytest.mark.asyncio
