@@ -58,7 +58,7 @@ def test_a_wrong_password_fails_at_once_with_a_clear_message(services: Services,
                                "STOCK_LEDGER_TOPIC": topic, "STOCK_LEDGER_METRICS_PORT": "0"})
     assert code == 1, out
     # One translated line (dberrors): the cause with its SQLSTATE and where to fix it.
-    assert "wrong password (28P01)" in out
+    assert "wrong password (SQLSTATE 28P01)" in out
     assert "Check the user and password in DATABASE_URL" in out
     assert "wrong-password" not in out
     assert "Traceback" not in out
