@@ -37,13 +37,12 @@ import asyncpg
 import structlog
 from aiokafka import TopicPartition
 
-from stock_ledger.batch import M_ID, MOVEMENT_COLUMNS, R_CODE, REJECT_COLUMNS, Batch, build_batch, quarantined
-from stock_ledger.domain import RejectCode
+from stock_ledger.batch import M_ID, MOVEMENT_COLUMNS, R_CODE, REJECT_COLUMNS, Batch, build_batch
 from stock_ledger.errors import CoordinateConflictError, StockLedgerError
 from stock_ledger.operate import transaction
 from stock_ledger.progress import Progress
 from stock_ledger.ranges import Run, describe, difference
-from stock_ledger.sink import add_levels, known_movement_ids, refusal, stored_offsets
+from stock_ledger.sink import add_levels, known_movement_ids, refusal, stored_offsets, without_known
 from stock_ledger.verify import (
     Scope,
     Window,
@@ -396,18 +395,7 @@ async def _quarantine_known(conn: asyncpg.Connection, batch: Batch, seen: set[An
     quarantined, not applied twice. `seen`: the ids this run applied, which a dry run's rollback took back out."""
     ids = [m[M_ID] for m in batch.movements]
     known = (await known_movement_ids(conn, ids) if ids else set()) | (seen & set(ids))
-    if not known:
-        return batch.movements, batch.rejects
-    movements, rejects = [], list(batch.rejects)
-    for m, (key, value) in zip(batch.movements, batch.raw, strict=True):
-        if m[M_ID] in known:
-            rejects.append(quarantined(
-                m, key, value, RejectCode.DUPLICATE_MOVEMENT_ID,
-                f"movement_id {m[M_ID]} is already in the ledger (an upstream resend); not applied twice",
-            ))
-        else:
-            movements.append(m)
-    return movements, rejects
+    return without_known(batch, known)
 
 
 async def _record_gone(conn: asyncpg.Connection, settings: Settings, found: PartitionRepair) -> list[int]:

@@ -387,24 +387,29 @@ class Ledger:
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         if not batch.movements:
             return batch.movements, batch.rejects
-        known = {r[0] for r in await conn.fetch(_KNOWN_IDS, [m[M_ID] for m in batch.movements])}
-        if not known:
-            return batch.movements, batch.rejects
-        movements, rejects = [], list(batch.rejects)
-        for m, (key, value) in zip(batch.movements, batch.raw, strict=True):
-            if m[M_ID] in known:
-                rejects.append(quarantined(
-                    m, key, value, RejectCode.DUPLICATE_MOVEMENT_ID,
-                    f"movement_id {m[M_ID]} is already in the ledger (an upstream resend); not applied twice",
-                ))
-            else:
-                movements.append(m)
-        return movements, rejects
+        return without_known(batch, {r[0] for r in await conn.fetch(_KNOWN_IDS, [m[M_ID] for m in batch.movements])})
 
 
 async def known_movement_ids(conn: asyncpg.Connection, ids: Sequence[Any]) -> set[Any]:
     """The movement_ids among `ids` already in stock_movements (`_KNOWN_IDS`, as step 2 reads them; for repair)."""
     return {r[0] for r in await conn.fetch(_KNOWN_IDS, list(ids))}
+
+
+def without_known(batch: Batch, known: set[Any]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The batch's movements and rejects with each movement whose movement_id is `known` (already in the ledger)
+    moved to quarantine as duplicate_movement_id, raw bytes kept: an upstream resend is never applied twice."""
+    if not known:
+        return batch.movements, batch.rejects
+    movements, rejects = [], list(batch.rejects)
+    for m, (key, value) in zip(batch.movements, batch.raw, strict=True):
+        if m[M_ID] in known:
+            rejects.append(quarantined(
+                m, key, value, RejectCode.DUPLICATE_MOVEMENT_ID,
+                f"movement_id {m[M_ID]} is already in the ledger (an upstream resend); not applied twice",
+            ))
+        else:
+            movements.append(m)
+    return movements, rejects
 
 
 async def add_levels(conn: asyncpg.Connection, movements: Sequence[tuple[Any, ...]], levels: Levels | None = None,

@@ -45,14 +45,20 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int = 24, replica
     return False
 
 
-async def partitions_of(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> list[int]:
-    """The topic's partition numbers, from a fresh metadata request (empty if the topic does not exist)."""
+async def _describe(bootstrap: str, topic: str, options: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """A fresh DescribeTopics (metadata) answer for the topic, on an admin client of its own."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
     await admin.start()
     try:
-        described = await admin.describe_topics([topic])
+        described: list[dict[str, Any]] = await admin.describe_topics([topic])
     finally:
         await admin.close()
+    return described
+
+
+async def partitions_of(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> list[int]:
+    """The topic's partition numbers, from a fresh metadata request (empty if the topic does not exist)."""
+    described = await _describe(bootstrap, topic, options)
     return sorted(p["partition"] for t in described if t["error_code"] == 0 for p in t["partitions"])
 
 
@@ -74,12 +80,7 @@ _UNKNOWN_TOPIC, _NOT_AUTHORIZED = 3, 29
 async def require_topic(bootstrap: str, topic: str, *, options: Mapping[str, Any] | None = None) -> None:
     """Raise TopicUnavailable, naming the topic, STOCK_LEDGER_TOPIC and the bootstrap servers, unless the topic
     exists with partitions this client can describe."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
-    await admin.start()
-    try:
-        described = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
+    described = await _describe(bootstrap, topic, options)
     found = next((t for t in described if t["topic"] == topic), None)
     code = _UNKNOWN_TOPIC if found is None else int(found["error_code"])
     if code == 0 and found is not None and found["partitions"]:
