@@ -142,11 +142,16 @@ group.min.session.timeout.ms=1000
 log.retention.hours=168
 log.segment.bytes=268435456
 EOF
-  cat >"$state/log4j2.properties" <<EOF
+  write_log4j2 "$state"
+}
+
+# The broker's log4j2 configuration (a .properties file: no YAML parser on the classpath), logging to DIR/logs.
+write_log4j2() {
+  cat >"$1/log4j2.properties" <<EOF
 status = error
 appender.file.type = File
 appender.file.name = FILE
-appender.file.fileName = $state/logs/server.log
+appender.file.fileName = $1/logs/server.log
 appender.file.layout.type = PatternLayout
 appender.file.layout.pattern = [%d] %p %m (%c)%n
 rootLogger.level = WARN
@@ -299,18 +304,7 @@ background.threads=4
 log.segment.bytes=67108864
 log.retention.hours=24
 EOF
-  cat >"$dir/log4j2.properties" <<EOF
-status = error
-appender.file.type = File
-appender.file.name = FILE
-appender.file.fileName = $dir/logs/server.log
-appender.file.layout.type = PatternLayout
-appender.file.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = WARN
-rootLogger.appenderRef.file.ref = FILE
-logger.kafka.name = kafka
-logger.kafka.level = INFO
-EOF
+  write_log4j2 "$dir"
 }
 
 # Every node's storage is formatted once, with one cluster id and the same three initial voters

@@ -41,7 +41,7 @@ from stock_ledger.batch import M_ID, MOVEMENT_COLUMNS, R_CODE, REJECT_COLUMNS, B
 from stock_ledger.errors import CoordinateConflictError, StockLedgerError
 from stock_ledger.operate import transaction
 from stock_ledger.progress import Progress
-from stock_ledger.ranges import Run, describe, difference
+from stock_ledger.ranges import Run, describe, difference, merged
 from stock_ledger.sink import add_levels, known_movement_ids, refusal, stored_offsets, without_known
 from stock_ledger.verify import (
     Scope,
@@ -219,17 +219,6 @@ async def repair(settings: Settings, conn: asyncpg.Connection, *, partitions: fr
     return report
 
 
-def _merged(ranges: Iterable[Run]) -> list[Run]:
-    """Sorted, disjoint runs covering the same offsets as `ranges` (recorded gaps may overlap)."""
-    out: list[Run] = []
-    for first, last in sorted(ranges):
-        if out and first <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], last))
-        else:
-            out.append((first, last))
-    return out
-
-
 def _count(runs: Iterable[Run]) -> int:
     return sum(last - first + 1 for first, last in runs)
 
@@ -253,8 +242,8 @@ async def _scan(conn: asyncpg.Connection, consumer: AIOKafkaConsumer, settings: 
     (applied, _), topic_runs = await asyncio.gather(
         ledger(), read_partition(consumer, tp, found.log_start, stored, progress))
     recorded = await conn.fetch(_RECORDED_GAPS, settings.group_id, settings.topic, found.partition)
-    every_gap = _merged((r["first_offset"], r["last_offset"]) for r in recorded)
-    acknowledged = _merged((r["first_offset"], r["last_offset"]) for r in recorded if r["acknowledged"])
+    every_gap = merged((r["first_offset"], r["last_offset"]) for r in recorded)
+    acknowledged = merged((r["first_offset"], r["last_offset"]) for r in recorded if r["acknowledged"])
 
     window = Window(start=0, log_start=found.log_start, end=stored, end_after=stored, stored=stored)
     every_missing = list(missing_runs(topic_runs, applied, window))
@@ -405,7 +394,7 @@ async def _record_gone(conn: asyncpg.Connection, settings: Settings, found: Part
     async with conn.transaction():
         await conn.execute(_LOCK, group, topic, partition)
         recorded = await conn.fetch(_RECORDED_GAPS, group, topic, partition)
-        held = _merged((r["first_offset"], r["last_offset"]) for r in recorded)
+        held = merged((r["first_offset"], r["last_offset"]) for r in recorded)
         for first, last in difference(found.gone, held):
             await conn.fetchval(_RECORD_GAP, group, topic, partition, first, last, GONE_REASON)
         recorded = await conn.fetch(_RECORDED_GAPS, group, topic, partition)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
-from stock_ledger.repair import EXIT_GONE, PartitionRepair, RepairReport, _merged, render
+from stock_ledger.ranges import merged
+from stock_ledger.repair import EXIT_GONE, PartitionRepair, RepairReport, render
 
 
 def report(*partitions: PartitionRepair, dry_run: bool = False) -> RepairReport:
@@ -51,5 +52,5 @@ def test_the_summary_names_each_partition_what_was_quarantined_and_what_is_gone(
 
 def test_recorded_gaps_are_merged_into_disjoint_runs() -> None:
     """ledger_gaps rows may overlap or touch; the difference with them needs sorted, disjoint runs."""
-    assert _merged([(10, 19), (0, 4), (5, 7), (15, 25), (30, 30)]) == [(0, 7), (10, 25), (30, 30)]
-    assert _merged([]) == []
+    assert merged([(10, 19), (0, 4), (5, 7), (15, 25), (30, 30)]) == [(0, 7), (10, 25), (30, 30)]
+    assert merged([]) == []
