@@ -124,7 +124,8 @@ class Worker:
             # Before any session of ours prepares a named statement a shared server connection would keep.
             await self._retry("check how PostgreSQL sessions are pooled", functools.partial(
                 refuse_transaction_pooling, functools.partial(
-                    connect_database, s, application_name="stock-ledger-pool-check", statement_cache_size=0)),
+                    connect_database, s, application_name="stock-ledger-pool-check", statement_cache_size=0,
+                    guard=False)),
                 "startup.retry")
             self._conn = await self._retry("connect to PostgreSQL", self._connect, "startup.retry")
             await check_schema(self._conn)
