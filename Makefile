@@ -8,7 +8,7 @@ OWNER_URL = $(or $(DATABASE_URL),$(shell scripts/postgres.sh url))
 WORKER_URL = $(or $(DATABASE_URL),$(shell scripts/postgres.sh worker-url))
 PYTEST_ARGS ?=
 
-.PHONY: venv services migrate topic run test lint tools bench
+.PHONY: venv services migrate topic run verify test lint tools bench
 
 venv: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ topic: venv services
 run: migrate topic
 	@echo "== running the worker (Ctrl-C stops it gracefully)"
 	DATABASE_URL='$(WORKER_URL)' $(BIN)/stock-ledger run
+
+# Compares the topic with the ledger (README's walkthrough): VERIFY_ARGS='--expect 50000 --wait 60'.
+verify: venv services
+	DATABASE_URL='$(OWNER_URL)' $(BIN)/stock-ledger verify $(VERIFY_ARGS)
 
 tools:
 	scripts/tools.sh

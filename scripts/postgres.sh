@@ -90,10 +90,10 @@ ready() {
   else "$(pg_bin)/pg_isready" -q -h "${pg_socket_dir:-$state/run}" -p "$PGPORT" 2>/dev/null; fi
 }
 
-# Sized for a ledger that grows (README, "As the ledger grows"): the unique indexes of tens of millions of movements
+# Sized for a ledger that grows (docs/performance.md): the unique indexes of tens of millions of movements
 # stay in shared_buffers, and checkpoints are rare enough that a random movement_id leaf is not re-imaged in the WAL
 # after every one. WAL segments are recycled, not created, under load: a new 16 MiB segment is zero-filled and
-# synced by the backend that needs it, a 50-100 ms stall of that batch (README, "30-minute soak"); min_wal_size keeps
+# synced by the backend that needs it, a 50-100 ms stall of that batch (docs/performance.md); min_wal_size keeps
 # a checkpoint cycle's worth (plus the cycle a spread checkpoint overlaps) for reuse, and max_wal_size is above it so
 # checkpoints stay timed. fsync stays on: durability is what we test. Needs a restart to take effect.
 SIZING=$'shared_buffers = 2GB\nmin_wal_size = 8GB\nmax_wal_size = 16GB\ncheckpoint_timeout = 15min\nwal_compression = lz4\n'

@@ -86,7 +86,7 @@ _COMMON_ENV: Final = ("STOCK_LEDGER_LOG_LEVEL", "STOCK_LEDGER_LOG_FORMAT")
 # What each command reads (besides the log settings); `<command> --help` lists it.
 _ENVIRONMENT: Final[dict[str, tuple[str, ...]]] = {
     "run": ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL (the worker role)",
-            "STOCK_LEDGER_*: every variable of README 'Configuration' except STOCK_LEDGER_MIGRATE_*"),
+            "STOCK_LEDGER_*: every variable of docs/configuration.md except STOCK_LEDGER_MIGRATE_*"),
     "migrate": ("DATABASE_URL (the owner role)", "STOCK_LEDGER_MIGRATIONS_DIR", "STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS",
                 "STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS"),
     "create-topic": ("KAFKA_BOOTSTRAP_SERVERS", "STOCK_LEDGER_TOPIC"),
@@ -281,7 +281,7 @@ def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 # Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write. No JIT: on a
 # 20M-movement ledger it spent 1.5-2.4 s compiling each 4-9 s scan, and the scans took as long without it
-# (scripts/bench_signals.py explain, README "Warehouse signals"): CPU for nothing on a shared server.
+# (`scripts/bench.py signals explain`, docs/performance.md): CPU for nothing on a shared server.
 # SET after connecting, not sent as startup parameters (PgBouncer refuses those: clients.connect_database).
 CLI_SESSION: Final = {"default_transaction_read_only": "on", "jit": "off"}
 
@@ -294,10 +294,10 @@ async def _read_only(settings: Settings) -> asyncpg.Connection:
 
 
 async def _say_when_slow(after: float) -> None:
-    # `--at` and `movements` scan stock_movements (no index on it for them: README, "Warehouse signals").
+    # `--at` and `movements` scan stock_movements (no index on it for them: docs/performance.md, "Warehouse signals").
     await asyncio.sleep(after)
     print(f"stock-ledger: still reading stock_movements after {after:g}s (a full scan: 4-8 s per 20M movements "
-          'measured; README, "Warehouse signals")', file=sys.stderr, flush=True)
+          'measured; docs/performance.md, "Warehouse signals")', file=sys.stderr, flush=True)
 
 
 async def _signal_command(settings: Settings, args: argparse.Namespace) -> int:

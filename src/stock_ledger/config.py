@@ -1,6 +1,7 @@
 """The one settings object, built from the environment by a pure function.
 
-Every variable is documented in README.md ("Configuration"). A bad value fails at start with the variable's name
+Every variable is declared, with what it means, in `VARIABLES`; the configuration reference in
+docs/configuration.md and README.md is generated from it. A bad value fails at start with the variable's name
 (`ConfigError`, exit code 2), never later in the hot path.
 """
 
@@ -211,7 +212,7 @@ class Settings:
     migrate_statement_timeout_ms: int = 600_000
     # Test-only crash points, see faults.py. Never set in production.
     fault: str | None = None
-    # Connection security (README "Security"); secrets stay out of repr and are masked in loggable().
+    # Connection security (docs/security.md); secrets stay out of repr and are masked in loggable().
     kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
     kafka_sasl_mechanism: SaslMechanism | None = None
     kafka_sasl_username: str | None = None
@@ -267,25 +268,36 @@ def _text(name: str, raw: str) -> str:
     return raw
 
 
-def _ints(low: int, high: int) -> Callable[[str, str], int]:
-    return lambda name, raw: _parse_number(name, raw, low, high, int)
+@dataclass(frozen=True, slots=True)
+class Parser:
+    """How a variable's text becomes a value, and what it accepts in words (for the configuration reference)."""
+
+    accepts: str
+    parse: Callable[[str, str], object]
+
+    def __call__(self, name: str, raw: str) -> object:
+        return self.parse(name, raw)
 
 
-def _floats(low: float, high: float) -> Callable[[str, str], float]:
-    return lambda name, raw: _parse_number(name, raw, low, high, float)
+def _ints(low: int, high: int) -> Parser:
+    return Parser(f"integer {low}..{high}", lambda name, raw: _parse_number(name, raw, low, high, int))
 
 
-def _choice(*choices: str) -> Callable[[str, str], str]:
-    return lambda name, raw: _parse_choice(name, raw, choices)
+def _floats(low: float, high: float) -> Parser:
+    return Parser(f"number {low:g}..{high:g}", lambda name, raw: _parse_number(name, raw, low, high, float))
 
 
-def _upper(*choices: str) -> Callable[[str, str], str]:
-    return lambda name, raw: _parse_choice(name, raw.upper(), choices, str.upper)
+def _choice(*choices: str) -> Parser:
+    return Parser(", ".join(choices), lambda name, raw: _parse_choice(name, raw, choices))
 
 
-def _parse_deadline(name: str, raw: str) -> float:
+def _upper(*choices: str) -> Parser:
+    return Parser(", ".join(choices), lambda name, raw: _parse_choice(name, raw.upper(), choices, str.upper))
+
+
+def _deadline(name: str, raw: str) -> float:
     """0 means retry forever; anything else is at least a second."""
-    value = _floats(0, 86_400)(name, raw)
+    value = _parse_number(name, raw, 0.0, 86_400.0, float)
     if 0 < value < 1:
         raise ConfigError(f"{name}={value} must be 0 (retry forever) or between 1 and 86400 seconds")
     return value
@@ -308,45 +320,110 @@ def _parse_topic(name: str, raw: str) -> str:
     return raw
 
 
-# Every variable, the Settings field it sets, and how it is parsed (README "Configuration" documents each).
-_VARIABLES: Final[tuple[tuple[str, str, Callable[[str, str], object]], ...]] = (
-    ("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers", _text),
-    ("DATABASE_URL", "database_url", _parse_database_url),
-    ("STOCK_LEDGER_TOPIC", "topic", _parse_topic),
-    ("STOCK_LEDGER_GROUP_ID", "group_id", _text),
-    ("STOCK_LEDGER_GROUP_INSTANCE_ID", "group_instance_id", _text),
-    ("STOCK_LEDGER_METRICS_PORT", "metrics_port", _ints(0, 65535)),
-    ("STOCK_LEDGER_SESSION_TIMEOUT_MS", "session_timeout_ms", _ints(1_000, 300_000)),
-    ("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "rebalance_timeout_ms", _ints(1_000, 600_000)),
-    ("STOCK_LEDGER_METADATA_MAX_AGE_MS", "metadata_max_age_ms", _ints(1_000, 3_600_000)),
-    ("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", _ints(1, 100_000)),
-    ("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", _ints(1, 60_000)),
-    ("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", _choice("earliest", "latest", "none")),
-    ("STOCK_LEDGER_ON_GAP", "on_gap", _choice("halt", "record")),
+_TEXT = Parser("text, at most 1024 characters", _text)
+_FILE = Parser("a file path", _text)
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """One environment variable: the Settings field it sets, how it is parsed, and what it means.
+
+    `docs/configuration.md` and README.md ("Configuration") are generated from this table
+    (`python -m stock_ledger.reference --write`), and a test keeps them in step.
+    """
+
+    name: str
+    attr: str | None  # None: read by _with_secret_files / _verbatim_secrets, not by the loop in load_settings
+    parse: Parser
+    meaning: str
+    shown_default: str | None = None  # instead of the Settings default, where that says too little
+
+
+VARIABLES: Final[tuple[Variable, ...]] = (
+    Variable("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers", _TEXT, "the brokers, `host:port[,host:port...]`"),
+    Variable("DATABASE_URL", "database_url", Parser("a postgresql:// URL", _parse_database_url),
+             "`postgresql://user:pass@host:5432/db[?sslmode=...&target_session_attrs=read-write]`; several hosts "
+             "allowed; never logged; percent-encode `@ : / ? # %` in the password",
+             "required by run, migrate, verify"),
+    Variable("DATABASE_URL_FILE", None, _FILE, "read `DATABASE_URL` from this file (a mounted Secret), trailing "
+             "newline dropped; not together with `DATABASE_URL`"),
+    Variable("STOCK_LEDGER_TOPIC", "topic", Parser("a topic name: A-Z a-z 0-9 . _ -, 1..249", _parse_topic),
+             "the topic"),
+    Variable("STOCK_LEDGER_GROUP_ID", "group_id", _TEXT, "consumer group; offsets in PostgreSQL are per group, "
+             "one group per database"),
+    Variable("STOCK_LEDGER_GROUP_INSTANCE_ID", "group_instance_id", _TEXT, "static membership id (the chart "
+             "leaves it unset: measured slower for rollouts); a static member sends no LeaveGroup"),
+    Variable("STOCK_LEDGER_METRICS_PORT", "metrics_port", _ints(0, 65535), "`/metrics`, `/healthz`, `/readyz`"),
+    Variable("STOCK_LEDGER_SESSION_TIMEOUT_MS", "session_timeout_ms", _ints(1_000, 300_000),
+             "Kafka session; heartbeats every third of it"),
+    Variable("STOCK_LEDGER_REBALANCE_TIMEOUT_MS", "rebalance_timeout_ms", _ints(1_000, 600_000),
+             "how long a rebalance waits for members (at least the session timeout); revocation waits half of "
+             "it for the batch in flight"),
+    Variable("STOCK_LEDGER_METADATA_MAX_AGE_MS", "metadata_max_age_ms", _ints(1_000, 3_600_000),
+             "topic metadata refresh: partitions added at runtime are read within about this long"),
+    Variable("STOCK_LEDGER_BATCH_MAX_RECORDS", "batch_max_records", _ints(1, 100_000),
+             "records per batch transaction at most"),
+    Variable("STOCK_LEDGER_BATCH_MAX_WAIT_MS", "batch_max_wait_ms", _ints(1, 60_000),
+             "how long a fetch waits for records"),
+    Variable("STOCK_LEDGER_AUTO_OFFSET_RESET", "auto_offset_reset", _choice("earliest", "latest", "none"),
+             "where a partition with no stored offset starts (`none`: refuse)"),
+    Variable("STOCK_LEDGER_ON_GAP", "on_gap", _choice("halt", "record"),
+             "a stored offset outside the log: `halt` pauses the partition and says why; `record` writes the "
+             "range to `ledger_gaps` and moves past it (below the log start only)"),
     # 0 = retry forever (the chart's default: stay alive and NotReady rather than crash-loop with back-off).
-    ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds", _parse_deadline),
-    ("STOCK_LEDGER_LOCK_TIMEOUT_MS", "lock_timeout_ms", _ints(100, 600_000)),
-    ("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms", _ints(1_000, 3_600_000)),
-    ("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", _floats(0.1, 600)),
-    ("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", _floats(1, 3_600)),
-    ("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "position_refresh_seconds", _floats(0.1, 3_600)),
-    ("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", _floats(0.1, 86_400)),
-    ("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "invariant_full_scan_seconds", _floats(1, 2_592_000)),
-    ("STOCK_LEDGER_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error")),
-    ("STOCK_LEDGER_LOG_FORMAT", "log_format", _choice("auto", "json", "console")),
-    ("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", _text),
-    ("STOCK_LEDGER_FAULT", "fault", _text),
-    ("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol", _upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")),
-    ("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", _upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")),
-    ("KAFKA_SASL_USERNAME", "kafka_sasl_username", _text),
-    ("KAFKA_SSL_CA_FILE", "kafka_ssl_ca_file", _text),
-    ("KAFKA_SSL_CERT_FILE", "kafka_ssl_cert_file", _text),
-    ("KAFKA_SSL_KEY_FILE", "kafka_ssl_key_file", _text),
-    ("KAFKA_SSL_CHECK_HOSTNAME", "kafka_ssl_check_hostname", _parse_bool),
-    ("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", _choice(*SSLMODES)),
-    ("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "migrate_deadline_seconds", _floats(1, 86_400)),
-    ("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "migrate_lock_timeout_ms", _ints(10, 600_000)),
-    ("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "migrate_statement_timeout_ms", _ints(1_000, 86_400_000)),
+    Variable("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "retry_deadline_seconds",
+             Parser("0, or a number 1..86400", _deadline),
+             "each operation retries transient faults this long from its first fault, then the worker exits 1; "
+             "`0` = retry forever while NotReady (the chart's setting)"),
+    Variable("STOCK_LEDGER_LOCK_TIMEOUT_MS", "lock_timeout_ms", _ints(100, 600_000),
+             "a claim or batch waiting on a row lock gives up and retries; after half of it a claim terminates "
+             "the blocking sessions of this group (zombies)"),
+    Variable("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms",
+             _ints(1_000, 3_600_000), "the server ends a session frozen inside a transaction, freeing its locks"),
+    Variable("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", _floats(0.1, 600),
+             "bound on a graceful stop"),
+    Variable("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", _floats(1, 3_600),
+             "`/healthz` turns 503 when the main loop made no progress for this long"),
+    Variable("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "position_refresh_seconds", _floats(0.1, 3_600),
+             "lag, drift and negative-stock metrics; on a quiet topic, how often the worker checks its session "
+             "and the stored offsets (a failover or restore)"),
+    Variable("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", _floats(0.1, 86_400),
+             "incremental ledger invariant checks, and the check that the topic is not compacted"),
+    Variable("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "invariant_full_scan_seconds", _floats(1, 2_592_000),
+             "the full invariant pass (a scan of `stock_movements`)"),
+    Variable("STOCK_LEDGER_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"),
+             "`debug` adds one line per committed batch"),
+    Variable("STOCK_LEDGER_LOG_FORMAT", "log_format", _choice("auto", "json", "console"),
+             "`auto`: JSON off a terminal, console on one"),
+    Variable("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", _FILE, "where `migrate` finds its SQL",
+             "the repository's `migrations/` (the image: `/app/migrations`)"),
+    Variable("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "migrate_deadline_seconds", _floats(1, 86_400),
+             "`migrate` waits this long for the database, the migration lock and its DDL's locks, then exits 1"),
+    Variable("STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS", "migrate_lock_timeout_ms", _ints(10, 600_000),
+             "each migration's `lock_timeout`: a try that waits longer rolls back and is retried"),
+    Variable("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "migrate_statement_timeout_ms",
+             _ints(1_000, 86_400_000), "each migration's `statement_timeout`"),
+    Variable("STOCK_LEDGER_FAULT", "fault", _TEXT, "**tests only**: crash points (`src/stock_ledger/faults.py`)"),
+    Variable("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", _choice(*SSLMODES),
+             "weakest `sslmode` accepted; a URL without one counts as `prefer` (or `PGSSLMODE`); production: "
+             "`verify-full`"),
+    Variable("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol",
+             _upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), "how the worker talks to the brokers"),
+    Variable("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", _upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
+             "required with `SASL_*`"),
+    Variable("KAFKA_SASL_USERNAME", "kafka_sasl_username", _TEXT, "required with `SASL_*`"),
+    Variable("KAFKA_SASL_PASSWORD", None, Parser("text, taken verbatim", _text),
+             "the SASL password (or `KAFKA_SASL_PASSWORD_FILE`); never logged"),
+    Variable("KAFKA_SASL_PASSWORD_FILE", None, _FILE, "read the SASL password from this file; not together with "
+             "`KAFKA_SASL_PASSWORD`"),
+    Variable("KAFKA_SSL_CA_FILE", "kafka_ssl_ca_file", _FILE,
+             "PEM bundle of the CA(s) that signed the brokers' certificates", "the system's CAs"),
+    Variable("KAFKA_SSL_CERT_FILE", "kafka_ssl_cert_file", _FILE,
+             "client certificate (PEM) for mutual TLS; with `KAFKA_SSL_KEY_FILE`"),
+    Variable("KAFKA_SSL_KEY_FILE", "kafka_ssl_key_file", _FILE,
+             "the client certificate's unencrypted key (PEM); with `KAFKA_SSL_CERT_FILE`"),
+    Variable("KAFKA_SSL_CHECK_HOSTNAME", "kafka_ssl_check_hostname", Parser("true, false", _parse_bool),
+             "verify that the broker's certificate names the host connected to"),
 )
 
 
@@ -358,10 +435,10 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     """
     environ = _with_secret_files(environ)
     values: dict[str, object] = {}
-    for name, attr, parse in _VARIABLES:
-        raw = environ.get(name)
-        if raw is not None and raw.strip() != "":
-            values[attr] = parse(name, raw.strip())
+    for v in VARIABLES:
+        raw = environ.get(v.name)
+        if v.attr is not None and raw is not None and raw.strip() != "":
+            values[v.attr] = v.parse(v.name, raw.strip())
     values.update(_verbatim_secrets(environ))
 
     settings = Settings(**values)  # type: ignore[arg-type]

@@ -84,7 +84,7 @@ def load_migrations(directory: Path) -> list[Migration]:
 
 @dataclass(frozen=True, slots=True)
 class MigrateOptions:
-    """How patient `migrate` is (STOCK_LEDGER_MIGRATE_* variables; README "Configuration")."""
+    """How patient `migrate` is (STOCK_LEDGER_MIGRATE_* variables; docs/configuration.md)."""
 
     deadline_seconds: float = 240.0
     lock_timeout_ms: int = 2_000

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 # Records per getmany and bytes per partition fetch bound the topic side of verify's memory: each record is a Python
 # object with its key and value. Reading 9M real movements took 119 MiB with 50,000 records and 8 MiB fetches, 49 MiB
-# with these, in about the same time (README, "At scale").
+# with these, in about the same time (docs/performance.md).
 _FETCH_RECORDS: Final = 5_000
 _STALL_SECONDS: Final = 60.0
 # Both tables' offsets of one partition, from `$3` on, in offset order (a merge of the two unique indexes); only the

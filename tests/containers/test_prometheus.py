@@ -47,8 +47,8 @@ TARGET_LABELS = ("namespace", "pod", "job", "instance")
 
 
 def documented_families() -> dict[str, set[str]]:
-    """Metric family -> its labels, from the README's Observability table (the documented contract)."""
-    text = (ROOT / "README.md").read_text()
+    """Metric family -> its labels, from the Observability table of docs/operations.md (the documented contract)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
     section = text.split("## Observability", 1)[1].split("\n## ", 1)[0]
     families: dict[str, set[str]] = {}
     for cell in re.findall(r"^\| (.+?) \|", section, flags=re.MULTILINE):
@@ -58,7 +58,7 @@ def documented_families() -> dict[str, set[str]]:
                 else [name]
             for variant in variants:
                 families[variant] = set(labels.split(",")) if labels else set()
-    assert len(families) >= 20, f"the README's metric table parsed into only {sorted(families)}"
+    assert len(families) >= 20, f"the metric table of docs/operations.md parsed into only {sorted(families)}"
     return families
 
 
@@ -264,12 +264,12 @@ async def test_rules_on_a_real_prometheus_scraping_one_then_two_workers(
             # 1. Families and labels.
             wanted_labels = documented_families()
             for metric, labels in labels_the_rules_use(rules).items():
-                assert metric in wanted_labels, f"the rules use {metric}, which README.md does not document"
+                assert metric in wanted_labels, f"the rules use {metric}, which docs/operations.md does not document"
                 wanted_labels[metric] |= labels
             for family, labels in wanted_labels.items():
                 selector = f'{{__name__=~"{family}(_bucket|_count|_sum)?"}}'
                 series = prometheus.api("series", **{"match[]": selector})
-                assert series, f"{family} (documented in README.md) is not in Prometheus"
+                assert series, f"{family} (documented in docs/operations.md) is not in Prometheus"
                 wanted = labels | set(TARGET_LABELS)
                 assert all(wanted <= set(s) for s in series), f"{family}: series lack {wanted}: {series[:2]}"
             await asyncio.sleep(SECONDS_PER_MINUTE * 5)  # past every shortened window since start-up

@@ -269,7 +269,7 @@ class TestWorkerContainer:
         assert len(names) == len(set(names)), "duplicate environment variables"
 
     def test_dynamic_membership(self, rendered: Rendered) -> None:
-        """One membership model, measured (README "Deployment"): a Deployment without static membership, so a
+        """One membership model, measured (docs/design.md "Membership"): a Deployment without static membership, so a
         stopping pod's LeaveGroup hands its partitions over at once."""
         assert rendered.one("Deployment", WORKERS)
         for manifest in rendered.of_kind("Deployment"):

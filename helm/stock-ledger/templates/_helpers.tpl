@@ -232,7 +232,7 @@ seccompProfile:
 {{- printf "%s-chaos" (include "stock-ledger.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* ---------------------------------------------------------------- connection security (README "Security") */}}
+{{/* ---------------------------------------------------------------- connection security (docs/security.md) */}}
 
 {{- define "stock-ledger.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
