@@ -197,3 +197,36 @@ def test_the_install_flags_render_a_release_helm_accepts() -> None:
     assert "stock-ledger-db-owner" not in str(deployment["spec"]["template"]["spec"])
     image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == "registry.example.com/inventory/stock-ledger:0.1.0"
+
+
+def _table_commands(section: str) -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    first_cells = re.findall(r"^\| (`.+?`) \|", body, flags=re.MULTILINE)
+    return [command for cell in first_cells for command in re.findall(r"`([^`]+)`", cell)]
+
+
+def test_every_command_of_the_cli_table_exists_with_the_flags_it_shows() -> None:
+    """Each row's command is a real subcommand whose `--help` lists every flag the row uses."""
+    rows = _table_commands("CLI")
+    assert len(rows) >= 12
+    for row in rows:
+        words = shlex.split(row)
+        assert words[0] == "stock-ledger", row
+        path = [w for w in words[1:3] if not w.startswith("-") and not w.isupper()]
+        path = path[:1] if path[:1] not in (["offsets"], ["gaps"], ["rejected"], ["stock"]) else path[:2]
+        help_text = subprocess.run([str(ROOT / ".venv" / "bin" / "stock-ledger"), *path, "--help"], check=True,
+                                   capture_output=True, text=True, timeout=60).stdout
+        for flag in (w for w in words if w.startswith("--")):
+            assert flag in help_text, f"{row}: `stock-ledger {' '.join(path)} --help` does not list {flag}"
+
+
+def test_every_make_command_of_the_development_table_is_a_target() -> None:
+    """`make -n` (print, do not run) accepts each: the targets and variables exist; CI runs `make test` itself."""
+    commands = [shlex.split(c) for c in _table_commands("Development")]
+    assert len(commands) >= 4
+    for words in commands:
+        assert words[0] == "make", words
+        done = subprocess.run(["make", "-n", *words[1:]], check=False, cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, f"{words}: {done.stderr}"
