@@ -39,7 +39,7 @@ import localservices
 from localservices import Services, WorkerProcess, start_worker, stop_workers, wait_until
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
@@ -262,26 +262,13 @@ class Fleet:
                              check=self.check_alive)
 
     async def wait_drained(self, ends: dict[int, int], within: float) -> None:
-        total = sum(ends.values())
-        deadline = time.monotonic() + within
-        last_say = time.monotonic()
         async with self.bench.owner() as conn:
-            while True:
+            async def applied() -> int:
                 stored = await stored_offsets(conn, self.group, self.topic)
-                applied = sum(min(stored.get(p) or 0, end) for p, end in ends.items())
-                now = time.perf_counter()
-                if applied and self.first_commit is None:
-                    self.first_commit = now
-                if applied >= total:
-                    self.drained = now
-                    return
-                self.check_alive()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not drained after {within:g}s: {applied:,}/{total:,}")
-                if time.monotonic() - last_say > 5:
-                    last_say = time.monotonic()
-                    say(f"  {self.label}: {applied:,}/{total:,} applied, {applied / (now - self.started):,.0f}/s")
-                await asyncio.sleep(0.1)
+                return sum(min(stored.get(p) or 0, end) for p, end in ends.items())
+
+            self.first_commit, self.drained = await timed_until(applied, sum(ends.values()), within, self.label,
+                                                                self.check_alive)
 
     async def stop(self) -> None:
         for p in self.procs:
@@ -316,6 +303,26 @@ class Fleet:
         return {"seconds": seconds, "rate": count / seconds, "steady_rate": count / steady if steady > 0 else 0.0,
                 "peak_rss_mib": max(p.peak_rss for p in self.procs) / MIB, "cpu_seconds": cpu,
                 "cpu_seconds_per_100k": cpu / count * 100_000}
+
+
+async def timed_until(progress: Callable[[], Awaitable[int]], total: int, within: float, label: str,
+                      check: Callable[[], None]) -> tuple[float | None, float]:
+    """Poll `progress` every 100 ms until it reaches `total`, saying how far it got every 5 s; when it first moved
+    and when it got there (perf_counter). `check` between polls raises if the system under test died."""
+    started, first = time.perf_counter(), None
+    deadline, last_say = time.monotonic() + within, time.monotonic()
+    while (done := await progress()) < total:
+        now = time.perf_counter()
+        first = first or (now if done else None)
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{label}: not done after {within:g}s: {done:,}/{total:,}")
+        if time.monotonic() - last_say > 5:
+            last_say = time.monotonic()
+            say(f"  {label}: {done:,}/{total:,}, {done / (now - started):,.0f}/s")
+        await asyncio.sleep(0.1)
+    now = time.perf_counter()
+    return first or now, now
 
 
 # ------------------------------------------------------------------------------------------------ bulk loads
@@ -440,31 +447,26 @@ def bar_svg(title: str, bars: Sequence[tuple[str, float]], x_label: str,
     """A hand-written bar chart (no plotting dependency): one labelled bar per value, optional reference lines."""
     width, height, left, bottom, top = 640, 360, 80, 50, 40
     top_value = max([v for _, v in bars] + [v for v, _ in lines] + [1.0]) * 1.15
-    plot_h, slot = height - bottom - top, (width - left - 20) / max(1, len(bars))
+    plot_h, slot, base = height - bottom - top, (width - left - 20) / max(1, len(bars)), height - bottom
 
     def y(value: float) -> float:
         return top + plot_h * (1 - value / top_value)
 
+    def text(x: float, y: float, body: object, anchor: str = "middle", extra: str = "") -> str:
+        return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{extra}>{body}</text>'
+
     parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             'font-size="12">'),
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
-    for i in range(5):
-        value = top_value * i / 4
-        parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
+             f'font-size="12"><rect width="{width}" height="{height}" fill="white"/>'),
+             text(width / 2, 22, title, extra=' font-size="14"'), text(width / 2, height - 12, x_label),
+             f'<line x1="{left}" y1="{base}" x2="{width - 20}" y2="{base}" stroke="black"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{base}" stroke="black"/>']
+    parts += [text(left - 6, y(top_value * i / 4) + 4, f"{top_value * i / 4:,.0f}", "end") for i in range(5)]
     for i, (label, value) in enumerate(bars):
         x = left + i * slot + slot * 0.2
-        parts += [
-            (f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{top + plot_h - y(value):.1f}" '
-            'fill="#4878a8"/>'),
-            f'<text x="{x + slot * 0.3:.1f}" y="{y(value) - 4:.1f}" text-anchor="middle">{value:,.0f}</text>',
-            f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>',
-        ]
+        parts += [(f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{base - y(value):.1f}" '
+                  'fill="#4878a8"/>'), text(x + slot * 0.3, y(value) - 4, f"{value:,.0f}"),
+                  text(x + slot * 0.3, base + 16, label)]
     for value, label in lines:
         parts += [(f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
-                  'stroke-dasharray="6 4"/>'),
-                  f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>']
-    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>', "</svg>"]
-    return "\n".join(parts) + "\n"
+                  'stroke-dasharray="6 4"/>'), text(width - 22, y(value) - 5, label, "end", ' fill="#c04040"')]
+    return "\n".join([*parts, "</svg>"]) + "\n"

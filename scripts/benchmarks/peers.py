@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 from aiokafka import AIOKafkaProducer
-from benchkit import ROOT, Bench, bar_svg, median_of, say, table
+from benchkit import ROOT, Bench, bar_svg, median_of, say, table, timed_until
 from localservices import WorkerProcess, free_port, start_worker, wait_until
 
 from benchmarks.drain import NAIVE_COUNT, limits, naive
@@ -200,30 +200,22 @@ class Connect:
     async def drain(self, count: int) -> dict[str, float]:
         """Time from JVM start until the table holds `count` rows."""
         await self.create_table()
-        started = time.perf_counter()
-        first: float | None = None
-        last_say = time.monotonic()
         async with self.bench.owner() as conn:
+            async def rows() -> int:
+                return int(await conn.fetchval(f"SELECT count(*) FROM {self.table}"))
+
+            started = time.perf_counter()
             self.start()
             try:
-                while (rows := int(await conn.fetchval(f"SELECT count(*) FROM {self.table}"))) < count:
-                    now = time.perf_counter()
-                    first = first or (now if rows else None)
-                    self.check_alive()
-                    if now - started > self.bench.timeout:
-                        raise RuntimeError(f"Connect ({self.mode}) wrote {rows:,} of {count:,} rows in time")
-                    if time.monotonic() - last_say > 5:
-                        last_say = time.monotonic()
-                        say(f"  connect {self.mode}: {rows:,}/{count:,} rows, {rows / (now - started):,.0f}/s")
-                    await asyncio.sleep(0.2)
-                now = time.perf_counter()
-                rows, distinct = await counts(conn, self.table)
+                first, done = await timed_until(rows, count, self.bench.timeout, f"connect {self.mode}",
+                                                self.check_alive)
             finally:
                 await self.stop()
-        seconds, steady = now - started, now - (first or started)
+            n, distinct = await counts(conn, self.table)
+        seconds, steady = done - started, done - first
         say(f"  connect {self.mode}: {count:,} in {seconds:.1f}s ({count / seconds:,.0f}/s from JVM start, "
-            f"{count / steady:,.0f}/s from the first row); rows {rows:,}, distinct {distinct:,}")
-        return {"seconds": seconds, "rate": count / seconds, "steady_rate": count / steady, "rows": float(rows),
+            f"{count / steady:,.0f}/s from the first row); rows {n:,}, distinct {distinct:,}")
+        return {"seconds": seconds, "rate": count / seconds, "steady_rate": count / steady, "rows": float(n),
                 "distinct": float(distinct)}
 
 

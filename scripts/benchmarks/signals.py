@@ -58,11 +58,11 @@ _LEVEL_VARIANTS: Final = {  # label -> (DDL after the migrations, upsert)
 _PRELOAD: Final = """
 INSERT INTO {table} (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, kafka_partition,
                      kafka_offset, kafka_timestamp)
-SELECT gen_random_uuid(), 'WH-' || lpad((h % $3)::text, 3, '0'), 'SKU-' || lpad((k % $2)::text, 6, '0'),
+SELECT gen_random_uuid(), 'WH-' || lpad((h % $2::int)::text, 3, '0'), 'SKU-' || lpad((k % $1::int)::text, 6, '0'),
        q, CASE WHEN q > 0 THEN 'receipt' ELSE 'pick' END,
-       timestamptz '2026-01-01 00:00+00' + i * interval '1 second', 'warehouse.movements', (k % $2) % 24,
-       $4::bigint + i, timestamptz '2026-01-01 00:00+00' + i * interval '1 second'
-  FROM generate_series(1, $5::bigint) AS i,
+       timestamptz '2026-01-01 00:00+00' + i * interval '1 second', 'warehouse.movements', (k % $1::int) % 24,
+       $3::bigint + i, timestamptz '2026-01-01 00:00+00' + i * interval '1 second'
+  FROM generate_series(1, $4::bigint) AS i,
        LATERAL (SELECT hashint8(i) AS h, abs(hashint8(-i)) AS k,
                        (ARRAY[5, 10, 20, -3, -5, -9])[1 + abs(hashint8(i * 7)) % 6] AS q) AS r
 """
@@ -122,8 +122,8 @@ async def bench_copy(bench: Bench, a: argparse.Namespace) -> dict[str, Any]:
                 say(f"copied {i + BATCH:,}/{total:,} into both: without {(i + BATCH) / spent['without']:,.0f}/s, "
                     f"with {(i + BATCH) / spent['with']:,.0f}/s")
     await bench.drop_database(bench.database)
-    return {"rows": total, "preloaded": a.preloaded, "skus": a.skus, "index": CANDIDATE_INDEX.format(table="t"),
-            "seconds": spent, "rate_without": total / spent["without"], "rate_with": total / spent["with"],
+    return {"rows": total, "preloaded": a.preloaded, "skus": a.skus,
+            "index": CANDIDATE_INDEX.format(table="bench_copy"), "seconds": spent, "rate_without": total / spent["without"], "rate_with": total / spent["with"],
             "cost_percent": 100 * (spent["with"] - spent["without"]) / spent["without"]}
 
 

@@ -281,7 +281,7 @@ def _add_signal_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 # Read-only at the session too: with an owner's DATABASE_URL these commands still cannot write. No JIT: on a
 # 20M-movement ledger it spent 1.5-2.4 s compiling each 4-9 s scan, and the scans took as long without it
-# (scripts/bench_signals.py explain, README "Warehouse signals"): CPU for nothing on a shared server.
+# (scripts/bench.py signals explain, README "Warehouse signals"): CPU for nothing on a shared server.
 # SET after connecting, not sent as startup parameters (PgBouncer refuses those: clients.connect_database).
 CLI_SESSION: Final = {"default_transaction_read_only": "on", "jit": "off"}
 

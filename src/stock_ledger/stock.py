@@ -11,7 +11,7 @@ Two clocks, never mixed:
   (per warehouse) is what `stock_levels` held after each row. `went_negative_at` is application time too: the
   commit of the batch that took the level below zero.
 
-Cost on a large ledger (scripts/bench_signals.py, README "Warehouse signals"): the now-queries read
+Cost on a large ledger (scripts/bench.py signals, README "Warehouse signals"): the now-queries read
 `stock_levels` by its primary key or by the partial index on negative levels (milliseconds); `--at` and
 `movements` read `stock_movements`, which has no index on (sku, warehouse): one cost the ingest path +29 % (the
 budget is 10 %), so they scan the table, 4-8 s per 20M movements.
