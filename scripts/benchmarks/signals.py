@@ -123,7 +123,8 @@ async def bench_copy(bench: Bench, a: argparse.Namespace) -> dict[str, Any]:
                     f"with {(i + BATCH) / spent['with']:,.0f}/s")
     await bench.drop_database(bench.database)
     return {"rows": total, "preloaded": a.preloaded, "skus": a.skus,
-            "index": CANDIDATE_INDEX.format(table="bench_copy"), "seconds": spent, "rate_without": total / spent["without"], "rate_with": total / spent["with"],
+            "index": CANDIDATE_INDEX.format(table="bench_copy"), "seconds": spent,
+            "rate_without": total / spent["without"], "rate_with": total / spent["with"],
             "cost_percent": 100 * (spent["with"] - spent["without"]) / spent["without"]}
 
 
