@@ -50,6 +50,7 @@ test: venv services tools lint containers
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-testcontainers
 
+bench: BENCH_ARGS ?= drain
 bench: venv services
 	$(PY) scripts/bench.py $(BENCH_ARGS)
 

@@ -1,9 +1,9 @@
-"""What the benches share on top of the local services: one run's scratch database and topics with the real worker
-draining them (`Bench`), a fleet of worker processes with their memory and CPU sampled (`Fleet`), progress lines,
-the machine a result was measured on, a bar chart and the partial results of a failed run.
+"""The one kit of scripts/bench.py's subcommands: a run's scratch databases and topics on the local services
+(`Bench`), the real worker processes draining them with their memory and CPU sampled (`Fleet`), bulk loads, the
+worker's metrics and commit log, medians, tables, the machine a result was measured on, and a bar chart.
 
-Used by scripts/bench.py, ledger_bench.py, peer_bench.py and membership_bench.py; each keeps only its own
-measurements, tables and CLI. Processes, services, databases and topics come from scripts/localservices.py.
+The worker processes are `localservices.WorkerProcess`, the type the tests start (tests/helpers.py, `WorkerPool`);
+services, databases and topics come from scripts/localservices.py too.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from stock_ledger.config import Settings
 from stock_ledger.produce import produce
@@ -33,73 +36,61 @@ from stock_ledger.sink import stored_offsets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script or imported
 import localservices
-from bench_scale import scrape
 from localservices import Services, WorkerProcess, start_worker, stop_workers, wait_until
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 PARTITIONS: Final = 24
-DEFAULT_BATCH: Final = Settings().batch_max_records  # the worker's default STOCK_LEDGER_BATCH_MAX_RECORDS
+BATCH: Final = Settings().batch_max_records  # the worker's default STOCK_LEDGER_BATCH_MAX_RECORDS
 MIB: Final = 1024 * 1024
+E2E: Final = "stock_ledger_end_to_end_latency_seconds"
 LEDGER_TABLES: Final = "stock_movements, rejected_movements, consumer_offsets, stock_levels"
+# stock_levels made to match the movements; went_negative_at set exactly when on_hand < 0 (migration 0004's CHECK).
+LEVELS_FROM_MOVEMENTS: Final = """
+INSERT INTO stock_levels (warehouse_id, sku, on_hand, went_negative_at)
+SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END FROM stock_movements GROUP BY 1, 2
+ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = excluded.on_hand, went_negative_at = excluded.went_negative_at
+"""
 STARTED: Final = time.monotonic()
+Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 
 def say(message: str) -> None:
     print(f"[bench {time.monotonic() - STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
-    """Run a bench's `main`: on uvloop where installed, because the worker runs on it, so the limits are measured
-    on it too."""
+@contextlib.asynccontextmanager
+async def connection(url: str, **options: Any) -> AsyncIterator[asyncpg.Connection]:  # noqa: ANN401 - asyncpg's
+    conn = await asyncpg.connect(url, **options)
     try:
-        import uvloop  # noqa: PLC0415 - optional on some platforms
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
+        yield conn
+    finally:
+        await conn.close()
 
 
 # ------------------------------------------------------------------------------------------------ one run
 
 
 @dataclass
-class Options:
-    """scripts/bench.py's options; the other benches fill in theirs, and every result records them under
-    `meta.options`."""
-
-    count: int
-    naive_count: int
-    repeat: int
-    latency_seconds: float
-    latency_rate: int
-    batch_max_records: int | None
-    batch_sizes: list[int]
-    workers: int
-    timeout: float
-    out: Path
-    svg: Path | None
-
-    @classmethod
-    def drains_only(cls, count: int, repeat: int, timeout: float, out: Path) -> Options:
-        """A bench that only drains with the real worker (ledger_bench, peer_bench): the fields of bench.py's own
-        measurements stay at the values their results have always recorded."""
-        return cls(count, 1, repeat, 0, 1, None, [], 1, timeout, out, None)
-
-
-@dataclass
 class Bench:
-    """One run: its scratch database and topics on the services, the workers' logs, and the drains."""
+    """One run: its scratch databases and topics on the services, the workers' logs, and what it measured so far
+    (`results`, kept as <out>-partial.json when the run fails; `charts`, SVGs written beside --out)."""
 
     services: Services
-    opts: Options
+    timeout: float = 900.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    database: str = ""
+    databases: list[str] = field(default_factory=list)
     topics: list[str] = field(default_factory=list)
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="stock-ledger-bench-")))
     keep_logs: bool = False
+    results: dict[str, Any] = field(default_factory=lambda: {"meta": {}})
+    charts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def database(self) -> str:
+        return self.databases[-1]
 
     @property
     def owner_url(self) -> str:
@@ -109,39 +100,43 @@ class Bench:
     def worker_url(self) -> str:
         return self.services.url_for(self.database, worker=True)
 
-    @property
-    def batch(self) -> int:
-        return self.opts.batch_max_records or DEFAULT_BATCH
+    def owner(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
+        return connection(self.owner_url)
 
-    # -------------------------------------------------------------------------------- setup / teardown
+    async def create_database(self, label: str = "main") -> str:
+        name = f"sl_bench_{self.run_id}_{label}"
+        await localservices.create_migrated_database(self.services.admin_url, name)
+        self.databases.append(name)
+        say(f"database {name} created and migrated")
+        return name
 
-    async def create_database(self) -> None:
-        self.database = f"sl_bench_{self.run_id}"
-        await localservices.create_migrated_database(self.services.admin_url, self.database)
-        say(f"database {self.database} created and migrated")
+    async def drop_database(self, name: str) -> None:
+        await localservices.drop_database(self.services.admin_url, name)
+        self.databases.remove(name)
 
-    async def drop_database(self) -> None:
-        if self.database:
-            await localservices.drop_database(self.services.admin_url, self.database)
-
-    async def create_topic(self, label: str) -> str:
+    async def create_topic(self, label: str, partitions: int = PARTITIONS) -> str:
         name = f"warehouse.movements.bench-{self.run_id}-{label}"
-        await localservices.create_topic(self.services.kafka, name, PARTITIONS)
+        await localservices.create_topic(self.services.kafka, name, partitions)
         self.topics.append(name)
         return name
 
-    async def delete_topics(self) -> None:
-        await localservices.delete_topics(self.services.kafka, self.topics)
+    async def delete_topic(self, name: str) -> None:
+        await localservices.delete_topics(self.services.kafka, [name])
+        self.topics.remove(name)
 
-    async def owner(self) -> asyncpg.Connection:
-        return await asyncpg.connect(self.owner_url)
+    async def close(self) -> None:
+        """Drop what the run created; the logs stay only after a failure."""
+        for name in list(self.databases):
+            await self.drop_database(name)
+        await localservices.delete_topics(self.services.kafka, self.topics)
+        if self.keep_logs:
+            say(f"worker logs kept in {self.logs}")
+        else:
+            shutil.rmtree(self.logs, ignore_errors=True)
 
     async def versions(self) -> dict[str, str]:
-        conn = await self.owner()
-        try:
+        async with connection(self.services.admin_url) as conn:
             postgres = str(await conn.fetchval("SHOW server_version"))
-        finally:
-            await conn.close()
         kafka = "unknown (KAFKA_BOOTSTRAP_SERVERS)"
         if self.services.origin == "scripts":
             script = (ROOT / "scripts" / "kafka.sh").read_text()
@@ -156,40 +151,35 @@ class Bench:
         say(f"producing {count:,} movements to {topic}")
         started = time.perf_counter()
         await produce(self.services.kafka, topic, count, seed=seed, show_progress=True)
+        ends = await self.end_offsets(topic)
+        if sum(ends.values()) != count:
+            raise RuntimeError(f"{topic} holds {sum(ends.values())} records, expected {count}")
         seconds = time.perf_counter() - started
         return {"produce_seconds": seconds, "produce_rate": count / seconds}
 
-    # -------------------------------------------------------------------------------- the worker
-
-    def worker_env(self, topic: str, group: str, extra: dict[str, str]) -> dict[str, str]:
-        size = self.opts.batch_max_records
-        batch = {"STOCK_LEDGER_BATCH_MAX_RECORDS": str(size)} if size else {}
-        return localservices.worker_env(self.services.kafka, self.worker_url, topic, group, **batch, **extra)
+    def worker_env(self, topic: str, group: str, **extra: str) -> dict[str, str]:
+        return localservices.worker_env(self.services.kafka, self.worker_url, topic, group, **extra)
 
     async def reset_ledger(self) -> None:
-        conn = await self.owner()
-        try:
+        async with self.owner() as conn:
             await conn.execute(f"TRUNCATE {LEDGER_TABLES}")
-        finally:
-            await conn.close()
 
     async def run_workers(  # noqa: PLR0913 - the drains differ in these, keyword-only past the first four
         self, topic: str, label: str, workers: int = 1, extra_env: dict[str, str] | None = None,
-        while_running: Callable[[Fleet], Coroutine[Any, Any, None]] | None = None, *,
-        group: str | None = None, fresh: bool = True,
+        while_running: Callable[[Fleet], Coroutine[Any, Any, None]] | None = None, *, fresh: bool = True,
     ) -> Fleet:
         """Start `workers` worker processes and wait until they drain `topic` (on an empty ledger unless `fresh`
         is False: then on top of whatever it holds); a failure kills them and keeps their logs."""
         if fresh:
             await self.reset_ledger()
-        fleet = Fleet(self, topic, group or f"bench-{self.run_id}-{label}", label)
+        fleet = Fleet(self, topic, f"bench-{self.run_id}-{label}", label)
         ends = await self.end_offsets(topic)
         fleet.start(workers, extra_env or {})
         try:
             if while_running is not None:
                 await while_running(fleet)
                 ends = await self.end_offsets(topic)
-            await fleet.wait_drained(ends, self.opts.timeout)
+            await fleet.wait_drained(ends, self.timeout)
         except BaseException:
             self.keep_logs = True
             fleet.kill()
@@ -198,11 +188,11 @@ class Bench:
         await fleet.verify(sum(ends.values()))
         return fleet
 
-    async def worker(self, topic: str, label: str, workers: int, count: int,
-                     extra_env: dict[str, str] | None = None) -> dict[str, float]:
+    async def worker(self, topic: str, label: str, workers: int, count: int, *, fresh: bool = True,
+                     **extra: str) -> dict[str, float]:
+        """The drain of `count` movements by `workers` processes, timed and costed (`Fleet.summary`)."""
         say(f"worker x{workers} ({label}): draining {count:,} movements")
-        fleet = await self.run_workers(topic, label, workers, extra_env)
-        result = fleet.summary(count)
+        result = (await self.run_workers(topic, label, workers, extra, fresh=fresh)).summary(count)
         say(f"worker x{workers} ({label}): {count:,} in {result['seconds']:.1f}s ({result['rate']:,.0f}/s, "
             f"steady {result['steady_rate']:,.0f}/s), peak RSS {result['peak_rss_mib']:.0f} MiB, "
             f"{result['cpu_seconds_per_100k']:.2f} CPU s per 100k")
@@ -230,6 +220,8 @@ class Proc:
 
 @dataclass
 class Fleet:
+    """Worker processes sharing one group on one topic: spawn, wait for the claim or the drain, stop, check."""
+
     bench: Bench
     topic: str
     group: str
@@ -238,13 +230,13 @@ class Fleet:
     started: float = 0.0
     first_commit: float | None = None
     drained: float = 0.0
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=dict)
     _sampler: asyncio.Task[None] | None = None
 
     def start(self, workers: int, extra_env: dict[str, str]) -> None:
         self.started = time.perf_counter()
         for i in range(workers):
-            env = self.bench.worker_env(self.topic, self.group, extra_env)
+            env = self.bench.worker_env(self.topic, self.group, **extra_env)
             worker = start_worker(env, self.bench.logs / f"{self.label}-{i}.log")
             self.procs.append(Proc(worker, psutil.Process(worker.pid)))
         self._sampler = asyncio.create_task(self._sample())
@@ -255,48 +247,28 @@ class Fleet:
                 p.sample()
             await asyncio.sleep(0.1)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         for p in self.procs:
             if not p.worker.alive():
                 raise RuntimeError(f"worker {p.worker.log.name} exited with {p.worker.proc.returncode}:\n"
                                    f"{p.worker.log_tail(20)}")
 
     async def wait_claimed(self, within: float) -> None:
-        conn = await self.bench.owner()
+        async with self.bench.owner() as conn:
+            async def claimed() -> bool:
+                return len(await stored_offsets(conn, self.group, self.topic)) >= PARTITIONS
 
-        async def claimed() -> bool:
-            return len(await stored_offsets(conn, self.group, self.topic)) >= PARTITIONS
-
-        try:
             await wait_until(claimed, within, f"the worker did not claim the partitions within {within:g}s",
-                             check=self._check_alive)
-        finally:
-            await conn.close()
+                             check=self.check_alive)
 
     async def wait_drained(self, ends: dict[int, int], within: float) -> None:
-        total = sum(ends.values())
-        conn = await self.bench.owner()
-        deadline = time.monotonic() + within
-        last_say = time.monotonic()
-        try:
-            while True:
+        async with self.bench.owner() as conn:
+            async def applied() -> int:
                 stored = await stored_offsets(conn, self.group, self.topic)
-                applied = sum(min(stored.get(p) or 0, end) for p, end in ends.items())
-                now = time.perf_counter()
-                if applied and self.first_commit is None:
-                    self.first_commit = now
-                if applied >= total:
-                    self.drained = now
-                    return
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not drained after {within:g}s: {applied:,}/{total:,}")
-                if time.monotonic() - last_say > 5:
-                    last_say = time.monotonic()
-                    say(f"  {self.label}: {applied:,}/{total:,} applied, {applied / (now - self.started):,.0f}/s")
-                await asyncio.sleep(0.1)
-        finally:
-            await conn.close()
+                return sum(min(stored.get(p) or 0, end) for p, end in ends.items())
+
+            self.first_commit, self.drained = await timed_until(applied, sum(ends.values()), within, self.label,
+                                                                self.check_alive)
 
     async def stop(self) -> None:
         for p in self.procs:
@@ -317,12 +289,9 @@ class Fleet:
                 p.worker.kill()
 
     async def verify(self, expected: int) -> None:
-        conn = await self.bench.owner()
-        try:
+        async with self.bench.owner() as conn:
             rows = await conn.fetchval("SELECT count(*) FROM stock_movements WHERE kafka_topic = $1", self.topic)
             rejected = await conn.fetchval("SELECT count(*) FROM rejected_movements")
-        finally:
-            await conn.close()
         if (rows, rejected) != (expected, 0):
             raise RuntimeError(f"{self.label}: ledger holds {rows} movements and {rejected} rejects, "
                                f"expected {expected} and 0")
@@ -331,14 +300,95 @@ class Fleet:
         seconds = self.drained - self.started
         steady = self.drained - (self.first_commit or self.started)
         cpu = sum(p.cpu for p in self.procs)
-        return {
-            "seconds": seconds,
-            "rate": count / seconds,
-            "steady_rate": count / steady if steady > 0 else 0.0,
-            "peak_rss_mib": max(p.peak_rss for p in self.procs) / MIB,
-            "cpu_seconds": cpu,
-            "cpu_seconds_per_100k": cpu / count * 100_000,
-        }
+        return {"seconds": seconds, "rate": count / seconds, "steady_rate": count / steady if steady > 0 else 0.0,
+                "peak_rss_mib": max(p.peak_rss for p in self.procs) / MIB, "cpu_seconds": cpu,
+                "cpu_seconds_per_100k": cpu / count * 100_000}
+
+
+async def timed_until(progress: Callable[[], Awaitable[int]], total: int, within: float, label: str,
+                      check: Callable[[], None]) -> tuple[float | None, float]:
+    """Poll `progress` every 100 ms until it reaches `total`, saying how far it got every 5 s; when it first moved
+    and when it got there (perf_counter). `check` between polls raises if the system under test died."""
+    started, first = time.perf_counter(), None
+    deadline, last_say = time.monotonic() + within, time.monotonic()
+    while (done := await progress()) < total:
+        now = time.perf_counter()
+        first = first or (now if done else None)
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{label}: not done after {within:g}s: {done:,}/{total:,}")
+        if time.monotonic() - last_say > 5:
+            last_say = time.monotonic()
+            say(f"  {label}: {done:,}/{total:,}, {done / (now - started):,.0f}/s")
+        await asyncio.sleep(0.1)
+    now = time.perf_counter()
+    return first or now, now
+
+
+# ------------------------------------------------------------------------------------------------ bulk loads
+
+
+async def bulk_load(conn: asyncpg.Connection, table: str, statement: str, chunks: Iterable[tuple[Any, ...]], *,
+                    maintenance_work_mem: str = "256MB") -> None:
+    """Run `statement` once per chunk's arguments with the table's unique constraints dropped, then add them back
+    as declared (built by a sort): several times faster than maintaining random-UUID indexes row by row."""
+    await conn.execute(f"SET maintenance_work_mem = '{maintenance_work_mem}'")
+    constraints = await conn.fetch("SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+                                   "WHERE conrelid = $1::regclass AND contype = 'u'", table)
+    for name, _ in constraints:
+        await conn.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"')
+    started = time.perf_counter()
+    for i, args in enumerate(chunks):
+        await conn.execute(statement, *args)
+        say(f"  bulk load of {table}: chunk {i + 1} ({time.perf_counter() - started:.0f}s)")
+    for name, definition in constraints:
+        await conn.execute(f'ALTER TABLE {table} ADD CONSTRAINT "{name}" {definition}')
+    say(f"  bulk load of {table}: unique constraints rebuilt")
+
+
+# ------------------------------------------------------------------------------------------------ the worker's view
+
+
+def scrape(port: int) -> Metrics:
+    """name -> labels -> value, from the worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found: Metrics = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = float(s.value)
+    return found
+
+
+def buckets(sample: Metrics, name: str) -> list[tuple[float, float]]:
+    """Cumulative (le, count) pairs of a histogram, sorted by le."""
+    return sorted((float(dict(labels)["le"]), value) for labels, value in sample.get(f"{name}_bucket", {}).items())
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank value at quantile q (0 to 1); NaN for no values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float], list[float]]]:
+    """partition -> (last offsets, commit times, fetch times) of each committed batch, from the worker's debug log.
+    The fetch time is when the worker took the batch's records from its consumer (NaN from a worker that does not
+    log it)."""
+    spans: dict[int, list[tuple[int, float, float]]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if '"batch.committed"' not in line:
+                continue
+            event = json.loads(line)
+            at = datetime.fromisoformat(event["timestamp"]).timestamp()
+            fetched = event.get("fetched")
+            for partition, (_first, last, _epoch) in event.get("batch", {}).items():
+                spans.setdefault(int(partition), []).append(
+                    (int(last), at, float("nan") if fetched is None else float(fetched)))
+    for s in spans.values():
+        s.sort()
+    return {p: ([x[0] for x in s], [x[1] for x in s], [x[2] for x in s]) for p, s in spans.items()}
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -349,7 +399,21 @@ def median_of(runs: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def environment(opts: Options) -> dict[str, Any]:
+def ints(raw: str) -> list[int]:
+    """A comma-separated list of integers (an argparse type)."""
+    return [int(x) for x in raw.split(",") if x.strip()]
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """Columns as wide as their widest cell: the first left-aligned, the others right-aligned."""
+    cells = [list(head), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
+                                                                                                   strict=True)))
+                     for row in cells)
+
+
+def environment(options: dict[str, Any]) -> dict[str, Any]:
     def v(dist: str) -> str:
         try:
             return version(dist)
@@ -364,8 +428,9 @@ def environment(opts: Options) -> dict[str, Any]:
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "load_average": os.getloadavg(),
         "versions": {d: v(d) for d in ("stock-ledger", "aiokafka", "asyncpg", "msgspec", "uvloop", "psutil")},
-        "options": {k: (str(x) if isinstance(x, Path) else x) for k, x in vars(opts).items()},
+        "options": {k: (str(x) if isinstance(x, Path) else x) for k, x in options.items() if not callable(x)},
     }
 
 
@@ -382,39 +447,26 @@ def bar_svg(title: str, bars: Sequence[tuple[str, float]], x_label: str,
     """A hand-written bar chart (no plotting dependency): one labelled bar per value, optional reference lines."""
     width, height, left, bottom, top = 640, 360, 80, 50, 40
     top_value = max([v for _, v in bars] + [v for v, _ in lines] + [1.0]) * 1.15
-    plot_h, slot = height - bottom - top, (width - left - 20) / max(1, len(bars))
+    plot_h, slot, base = height - bottom - top, (width - left - 20) / max(1, len(bars)), height - bottom
 
     def y(value: float) -> float:
         return top + plot_h * (1 - value / top_value)
 
+    def text(x: float, y: float, body: object, anchor: str = "middle", extra: str = "") -> str:
+        return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{extra}>{body}</text>'
+
     parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             'font-size="12">'),
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 20}" y2="{top + plot_h}" stroke="black"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>']
-    for i in range(5):
-        value = top_value * i / 4
-        parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end">{value:,.0f}</text>')
+             f'font-size="12"><rect width="{width}" height="{height}" fill="white"/>'),
+             text(width / 2, 22, title, extra=' font-size="14"'), text(width / 2, height - 12, x_label),
+             f'<line x1="{left}" y1="{base}" x2="{width - 20}" y2="{base}" stroke="black"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{base}" stroke="black"/>']
+    parts += [text(left - 6, y(top_value * i / 4) + 4, f"{top_value * i / 4:,.0f}", "end") for i in range(5)]
     for i, (label, value) in enumerate(bars):
         x = left + i * slot + slot * 0.2
-        parts += [
-            (f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{top + plot_h - y(value):.1f}" '
-            'fill="#4878a8"/>'),
-            f'<text x="{x + slot * 0.3:.1f}" y="{y(value) - 4:.1f}" text-anchor="middle">{value:,.0f}</text>',
-            f'<text x="{x + slot * 0.3:.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>',
-        ]
+        parts += [(f'<rect x="{x:.1f}" y="{y(value):.1f}" width="{slot * 0.6:.1f}" height="{base - y(value):.1f}" '
+                  'fill="#4878a8"/>'), text(x + slot * 0.3, y(value) - 4, f"{value:,.0f}"),
+                  text(x + slot * 0.3, base + 16, label)]
     for value, label in lines:
         parts += [(f'<line x1="{left}" y1="{y(value):.1f}" x2="{width - 20}" y2="{y(value):.1f}" stroke="#c04040" '
-                  'stroke-dasharray="6 4"/>'),
-                  f'<text x="{width - 22}" y="{y(value) - 5:.1f}" text-anchor="end" fill="#c04040">{label}</text>']
-    parts += [f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>', "</svg>"]
-    return "\n".join(parts) + "\n"
-
-
-def keep_partial(out: Path, measured: dict[str, Any]) -> None:
-    """A failed run keeps what it measured so far beside --out, as <stem>-partial.json."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.stem + "-partial.json")
-    partial.write_text(json.dumps(measured, indent=2, default=str) + "\n")
-    say(f"failed: what was measured so far is in {partial}")
+                  'stroke-dasharray="6 4"/>'), text(width - 22, y(value) - 5, label, "end", ' fill="#c04040"')]
+    return "\n".join([*parts, "</svg>"]) + "\n"

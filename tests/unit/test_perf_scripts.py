@@ -1,4 +1,4 @@
-"""The pure helpers of the peer and growth benchmarks (scripts/peer_bench.py, scripts/ledger_bench.py).
+"""The pure helpers of the benchmarks (scripts/benchkit.py; scripts/benchmarks/: peers, growth, soak).
 
 The benchmarks themselves run for minutes against Kafka Connect and multi-million-row ledgers, so CI does not run
 them; what they compute from their measurements, and the input they hand the peer, is checked here."""
@@ -24,9 +24,8 @@ from stock_ledger.produce import movements
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-import bench_scale  # noqa: E402 - a script, importable once scripts/ is on the path
-import ledger_bench  # noqa: E402
-import peer_bench  # noqa: E402
+import benchkit  # noqa: E402 - a script, importable once scripts/ is on the path
+from benchmarks import growth, peers, soak  # noqa: E402
 
 
 def test_the_connect_envelope_carries_the_same_movement_with_a_schema_naming_every_payload_field() -> None:
@@ -35,7 +34,7 @@ def test_the_connect_envelope_carries_the_same_movement_with_a_schema_naming_eve
     key, value = next(movements(1, seed=7))
     m = parse(key, value)
     assert isinstance(m, Movement)
-    envelope = json.loads(peer_bench.connect_envelope(m))
+    envelope = json.loads(peers.connect_envelope(m))
     payload, schema = envelope["payload"], envelope["schema"]
     assert [f["field"] for f in schema["fields"]] == list(payload)
     assert uuid.UUID(payload["movement_id"]) == m.movement_id
@@ -52,7 +51,7 @@ def test_the_envelope_keeps_the_warehouse_offset_of_the_timestamp() -> None:
     local = datetime(2026, 1, 1, 12, tzinfo=timezone(timedelta(hours=2)))
     m = parse(b"SKU-1", encode(Movement(uuid.uuid4(), "WH-1", "SKU-1", 3, "receipt", local)))
     assert isinstance(m, Movement)
-    sent = json.loads(peer_bench.connect_envelope(m))["payload"]["occurred_at"]
+    sent = json.loads(peers.connect_envelope(m))["payload"]["occurred_at"]
     assert sent.endswith("+02:00")
     assert datetime.fromisoformat(sent) == local.astimezone(UTC)
 
@@ -63,32 +62,32 @@ def test_the_committed_connect_templates_fill_completely_and_refuse_a_missing_va
     names = ("bootstrap", "state", "plugins", "rest_port", "name", "topic", "jdbc_url", "user", "password", "mode",
              "pk_mode", "pk_fields", "table")
     values = dict.fromkeys(names, "X")
-    filled = peer_bench.fill(template, **values)
+    filled = peers.fill(template, **values)
     assert "${" not in filled.replace("$$", "")
     assert "InsertField$Value" in filled or name == "worker.properties"
     with pytest.raises(KeyError):
-        peer_bench.fill(template)
+        peers.fill(template)
 
 
 def test_jdbc_url_is_built_from_the_postgres_url_of_the_services() -> None:
-    assert peer_bench.jdbc_url("postgresql://u:p@127.0.0.1:5433/postgres", "sl_bench_1") == (
+    assert peers.jdbc_url("postgresql://u:p@127.0.0.1:5433/postgres", "sl_bench_1") == (
         "jdbc:postgresql://127.0.0.1:5433/sl_bench_1", "u", "p")
 
 
 def test_scaling_efficiency_is_rate_over_n_times_the_single_worker_rate() -> None:
-    eff = ledger_bench.scaling_efficiency({1: 100.0, 2: 150.0, 6: 120.0})
+    eff = growth.scaling_efficiency({1: 100.0, 2: 150.0, 6: 120.0})
     assert eff == {1: 1.0, 2: 0.75, 6: pytest.approx(0.2)}
-    assert ledger_bench.scaling_efficiency({2: 10.0}) == {}
+    assert growth.scaling_efficiency({2: 10.0}) == {}
 
 
 def test_size_per_million_and_medians() -> None:
-    assert ledger_bench.per_million(2 * 1024**2 * 5, 5_000_000) == pytest.approx(2.0)
-    assert ledger_bench.per_million(10.0, 0) != ledger_bench.per_million(10.0, 0)  # NaN: no rows, no ratio
-    assert ledger_bench.median_of([{"a": 1.0}, {"a": 5.0}, {"a": 2.0}]) == {"a": 2.0}
+    assert growth.per_million(2 * 1024**2 * 5, 5_000_000) == pytest.approx(2.0)
+    assert growth.per_million(10.0, 0) != growth.per_million(10.0, 0)  # NaN: no rows, no ratio
+    assert benchkit.median_of([{"a": 1.0}, {"a": 5.0}, {"a": 2.0}]) == {"a": 2.0}
 
 
 def test_the_bar_chart_is_well_formed_svg_with_one_bar_per_value() -> None:
-    svg = ledger_bench.bar_svg("t", [("x1", 10.0), ("x2", 0.0), ("x3", 30.0)], "workers", [(20.0, "line")])
+    svg = benchkit.bar_svg("t", [("x1", 10.0), ("x2", 0.0), ("x3", 30.0)], "workers", [(20.0, "line")])
     root = ET.fromstring(svg)  # noqa: S314 - our own output
     bars = [e for e in root if e.tag.endswith("rect") and e.get("fill") == "#4878a8"]
     assert len(bars) == 3
@@ -102,7 +101,7 @@ def test_peak_rss_is_the_commands_own_not_the_bench_process_that_started_it(tmp_
     ballast = bytearray(300 * 1024 * 1024)
     ballast[::4096] = b"x" * len(ballast[::4096])  # touched: resident
     command = [sys.executable, "-c", "b = bytearray(60 << 20); b[::4096] = b'x' * len(b[::4096]); print('done')"]
-    measured = bench_scale.run_measured(command, {}, tmp_path / "out.txt")
+    measured = soak.run_measured(command, {}, tmp_path / "out.txt")
     assert measured["exit_code"] == 0
     assert measured["last_line"] == "done"
     assert 60 <= measured["peak_rss_mib"] < 150, measured
@@ -111,7 +110,7 @@ def test_peak_rss_is_the_commands_own_not_the_bench_process_that_started_it(tmp_
 
 def test_disk_writes_reports_each_minute_once_its_largest_100ms_write_and_its_bursts() -> None:
     """The soak's per-minute disk figures: total, largest 100-ms step, steps of 8 MiB or more; then a fresh minute."""
-    disk = bench_scale.DiskWrites()
+    disk = soak.DiskWrites()
     disk.steps = [0.5, 12.0, 0.25, 8.0, 7.9]
     assert disk.take() == {"written_mib": pytest.approx(28.65), "max_mib_per_100ms": 12.0, "bursts": 2}
     assert disk.take() is None  # nothing sampled since
@@ -120,7 +119,7 @@ def test_disk_writes_reports_each_minute_once_its_largest_100ms_write_and_its_bu
 @pytest.mark.asyncio
 async def test_disk_writes_samples_the_host_disks_written_sectors(tmp_path: Path) -> None:
     """On Linux with a real disk, a written and synced file shows up in the samples."""
-    disk = bench_scale.DiskWrites()
+    disk = soak.DiskWrites()
     if not disk.disks:
         pytest.skip("no /sys/block disk with a device here")
     if _filesystem(tmp_path) in {"tmpfs", "ramfs"}:
@@ -154,7 +153,7 @@ def test_cpu_shares_counts_the_workers_and_the_producers_cpu_against_the_hosts()
                           stdout=subprocess.PIPE) as producer:
         assert producer.stdin is not None
         assert producer.stdout is not None
-        shares = bench_scale.CpuShares(psutil.Process(), psutil.Process(producer.pid))
+        shares = soak.CpuShares(psutil.Process(), psutil.Process(producer.pid))
         producer.stdin.write(b"x")
         producer.stdin.flush()  # the producer spins now, beside us
         end = time.process_time() + 1.0
@@ -196,7 +195,7 @@ def test_commit_times_pairs_each_partitions_batches_with_their_commit_and_fetch_
         {"event": "batch.committed", "timestamp": "2026-12-01T10:00:00.100000Z", "batch": {"3": [0, 9, 1]}},
     ]
     log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    commits = bench_scale.commit_times([log])
+    commits = soak.commit_times([log])
     lasts, ats, fetched = commits[3]
     assert lasts == [9, 19]  # in offset order, whatever the order of the lines
     assert ats == [datetime(2026, 12, 1, 10, 0, 0, 100_000, tzinfo=UTC).timestamp(),
