@@ -92,7 +92,8 @@ def test_every_evidence_file_is_cited() -> None:
     cited = {path for path, _ in listed()}
     for text in pages().values():
         cited |= cited_by(text, files)
-    assert not files - cited, f"files under docs/bench/ that no docs/*.md page cites and the index does not list: {sorted(files - cited)}"
+    uncited = sorted(files - cited)
+    assert not uncited, f"files under docs/bench/ that no docs/*.md page cites and the index does not list: {uncited}"
 
 
 def test_the_index_lists_every_file_once() -> None:
