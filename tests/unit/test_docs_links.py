@@ -42,3 +42,14 @@ def test_the_slug_is_githubs() -> None:
     assert slug("Invariant checks and the monitor lease") == "invariant-checks-and-the-monitor-lease"
     assert slug("Fencing: a zombie cannot commit") == "fencing-a-zombie-cannot-commit"
     assert slug("`StockLedgerLag`") == "stockledgerlag"
+
+
+def test_the_readme_headline_is_the_performance_pages() -> None:
+    """The headline table the README shows is the one docs/performance.md explains, word for word."""
+    def headline(page: Path) -> str:
+        found = re.search(r"<!-- headline:start -->.*?<!-- headline:end -->", page.read_text(encoding="utf-8"),
+                          flags=re.DOTALL)
+        assert found, f"{page.relative_to(ROOT)} has no headline block"
+        return found.group(0)
+
+    assert headline(ROOT / "README.md") == headline(ROOT / "docs" / "performance.md")
