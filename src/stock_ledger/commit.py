@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from stock_ledger.retry import Retrier
     from stock_ledger.sink import Ledger, Outcome
 
-# The worker's events keep the worker's logger name, as they had before this module was split from service.py.
+# One logger name for the worker's events, whichever of its modules logs them.
 log = structlog.get_logger("stock_ledger.service")
 
 

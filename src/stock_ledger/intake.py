@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from stock_ledger.config import Settings
     from stock_ledger.retry import Retrier
 
-# The worker's events keep the worker's logger name, as they had before this module was split from service.py.
+# One logger name for the worker's events, whichever of its modules logs them.
 log = structlog.get_logger("stock_ledger.service")
 
 # Records parsed between two turns of the event loop while a batch is built (~4 ms of CPU here).
