@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import platform
 import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Self, TypeVar, cast, overload
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,10 +27,11 @@ from prometheus_client.utils import floatToGoString
 from stock_ledger.domain import RejectCode
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 _P = "stock_ledger_"
 _RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race")
+_M = TypeVar("_M")
 
 
 def _version(dist: str) -> str:
@@ -110,123 +112,136 @@ class LeaderOnly(Collector):
             yield from self.inner.collect()
 
 
+class _Declared(Generic[_M]):
+    """A metric declared on `Metrics`: each `Metrics` builds its own, in the order declared, on the service's registry
+    or (`leader`) on the monitor leader's. `preset`: label values whose series exist before anything happens, so
+    rate() and alerts see a 0, not an absence."""
+
+    def __init__(self, build: Callable[..., _M], *, leader: bool = False, preset: Iterable[str] = ()) -> None:
+        self.build, self.leader, self.preset = build, leader, tuple(preset)
+        self.attr = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, obj: Metrics, owner: type) -> _M: ...
+    def __get__(self, obj: Metrics | None, owner: type) -> Self | _M:
+        # Reached for the class only: the metric a `Metrics` built shadows its declaration.
+        return self if obj is None else cast("_M", vars(obj)[self.attr])
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str] = (), *, leader: bool = False) -> _Declared[Gauge]:
+    return _Declared(functools.partial(Gauge, _P + name, doc, labels), leader=leader)
+
+
+def _counter(name: str, doc: str, labels: Sequence[str] = (), *, preset: Iterable[str] = ()) -> _Declared[Counter]:
+    return _Declared(functools.partial(Counter, _P + name, doc, labels), preset=preset)
+
+
+def _histogram(name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = (), *,
+               preset: Iterable[str] = ()) -> _Declared[Histogram]:
+    return _Declared(functools.partial(Histogram, _P + name, doc, labels, buckets=buckets), preset=preset)
+
+
+_PART = ["group", "topic", "partition"]
+
+
 class Metrics:
+    # Positions, refreshed on a timer from Kafka and PostgreSQL (positions.py).
+    db_offset = _gauge("partition_db_offset", "Next offset to apply, stored in PostgreSQL.", _PART, leader=True)
+    log_end_offset = _gauge("partition_log_end_offset", "Log end offset of the partition in Kafka.", _PART,
+                            leader=True)
+    kafka_committed_offset = _gauge("partition_kafka_committed_offset",
+                                    "The group's committed offset in Kafka (advisory).", _PART, leader=True)
+    lag = _gauge("partition_lag_messages", "Log end offset minus the PostgreSQL offset.", _PART, leader=True)
+    drift = _gauge("partition_offset_drift_messages",
+                   "PostgreSQL offset minus Kafka's committed offset; negative means the seek path is broken.", _PART,
+                   leader=True)
+    lag_seconds = _gauge("partition_lag_seconds",
+                         "Age of the oldest unapplied record (now - its Kafka timestamp); 0 when caught up.", _PART,
+                         leader=True)
+    monitor_leader = _gauge("monitor_leader",
+                            "1 on the one pod of the group that runs the lag/drift timer and the ledger checks (it "
+                            "holds the advisory-lock lease); the partition gauges come from it.")
+    gap = _gauge("partition_gap_messages",
+                 "Records between the PostgreSQL offset and the log that can never be applied: below the log start "
+                 "(retention, deleted records) or past its end (topic recreated). Non-zero: a hole.", _PART,
+                 leader=True)
+    assigned_partitions = _gauge("assigned_partitions", "Partitions claimed by this worker.")
+    ready = _gauge("ready", "1 when connected and every assigned partition is claimed.")
+    last_commit = _gauge("last_commit_timestamp_seconds", "Unix time of the last batch commit.")
+    # Work.
+    applied = _counter("movements_applied", "Movements applied to the ledger.")
+    rejected = _counter("movements_rejected", "Records quarantined in rejected_movements.", ["reason"],
+                        preset=[code.value for code in RejectCode])
+    batches = _counter("batches_committed", "Batch transactions committed.")
+    fenced = _counter("batches_fenced", "Batches rolled back because another claim owns a partition.")
+    offset_mismatches = _counter(
+        "offset_mismatches",
+        "Partitions whose stored offset was not where this worker left it, claimed again and re-applied from Kafka: "
+        "behind (the database went back in time: a failover that lost commits, a restore) or ahead (moved by someone "
+        "else).", ["direction"], preset=["behind", "ahead"])
+    rebalances = _counter("rebalances", "Partition assignments received from the group.")
+    claims = _counter("partition_claims", "Partitions claimed in PostgreSQL.")
+    retries = _counter("retries", "Retried operations by cause.", ["cause"], preset=_RETRY_CAUSES)
+    # Input the ledger survives rather than stops on (issue 9).
+    kafka_timestamps_out_of_range = _counter(
+        "kafka_timestamps_out_of_range",
+        "Records whose Kafka timestamp is negative (not -1) or past year 9999: stored with a NULL kafka_timestamp.")
+    batch_bisections = _counter(
+        "batch_bisections",
+        "Splits of a batch chunk PostgreSQL refused, to isolate and quarantine the refused records.")
+    # Latency.
+    batch_duration = _histogram("batch_duration_seconds", "Duration of the batch transaction.",
+                                (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    batch_records = _histogram("batch_records", "Records per batch.",
+                               (1, 10, 50, 100, 500, 1000, 2500, 5000, 10000, 25000))
+    end_to_end = _Declared(functools.partial(
+        BatchHistogram, _P + "end_to_end_latency_seconds", "Kafka record timestamp to PostgreSQL commit.",
+        (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)))
+    # Ledger invariants, on a slow timer (positions.py, invariants.py).
+    coordinates_unique = _gauge(
+        "ledger_coordinates_unique",
+        "1 while the unique constraint on (kafka_topic, kafka_partition, kafka_offset) is present and valid.",
+        leader=True)
+    partitions_ahead = _gauge("ledger_partitions_ahead_of_offset",
+                              "Partitions holding a row at or beyond their stored next offset.", leader=True)
+    invariant_check = _histogram("invariant_check_duration_seconds", "Duration of an invariant check, by scope.",
+                                 (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), ["scope"],
+                                 preset=["baseline", "incremental", "full"])
+    level_mismatches = _gauge("ledger_stock_level_mismatches",
+                              "stock_levels rows that differ from the sum of their movements.", leader=True)
+    missing_records = _gauge("ledger_missing_records",
+                             "Records below a stored offset in neither stock_movements nor rejected_movements (Kafka "
+                             "holds them: a hole in the ledger), as last found.", leader=True)
+    # Warehouse signals, on the position timer from the partial index of negative levels (positions.py).
+    # The leader exports the whole-ledger value: aggregate with max.
+    negative_stock_levels = _gauge("negative_stock_levels", "(warehouse, sku) pairs whose on_hand is below zero.",
+                                   leader=True)
+    negative_stock_units = _gauge("negative_stock_units",
+                                  "Sum of the deficits of the pairs below zero, as a positive number.", leader=True)
+    build_info = _gauge("build_info", "Versions of stock-ledger and its drivers.",
+                        ["version", "python", "aiokafka", "asyncpg"])
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        part = ["group", "topic", "partition"]
         self._leader = LeaderOnly(registry)
-        leader = self._leader.inner
         # The process (RSS, CPU, open files) and Python's garbage collector, as every client_python service has.
         ProcessCollector(registry=registry)
         GCCollector(registry=registry)
         PlatformCollector(registry=registry)
-        # Positions, refreshed on a timer from Kafka and PostgreSQL (positions.py).
-        self.db_offset = Gauge(_P + "partition_db_offset", "Next offset to apply, stored in PostgreSQL.", part,
-                               registry=leader)
-        self.log_end_offset = Gauge(_P + "partition_log_end_offset", "Log end offset of the partition in Kafka.",
-                                    part, registry=leader)
-        self.kafka_committed_offset = Gauge(_P + "partition_kafka_committed_offset",
-                                            "The group's committed offset in Kafka (advisory).", part,
-                                            registry=leader)
-        self.lag = Gauge(_P + "partition_lag_messages", "Log end offset minus the PostgreSQL offset.", part,
-                         registry=leader)
-        self.drift = Gauge(_P + "partition_offset_drift_messages",
-                           "PostgreSQL offset minus Kafka's committed offset; negative means the seek path is broken.",
-                           part, registry=leader)
-        self.lag_seconds = Gauge(_P + "partition_lag_seconds",
-                                 "Age of the oldest unapplied record (now - its Kafka timestamp); 0 when caught up.",
-                                 part, registry=leader)
-        self.monitor_leader = Gauge(_P + "monitor_leader",
-                                    "1 on the one pod of the group that runs the lag/drift timer and the ledger checks "
-                                    "(it holds the advisory-lock lease); the partition gauges come from it.",
-                                    registry=registry)
-        self.gap = Gauge(_P + "partition_gap_messages",
-                         "Records between the PostgreSQL offset and the log that can never be applied: below the log "
-                         "start (retention, deleted records) or past its end (topic recreated). Non-zero: a hole.",
-                         part, registry=leader)
-        self.assigned_partitions = Gauge(_P + "assigned_partitions", "Partitions claimed by this worker.",
-                                         registry=registry)
-        self.ready = Gauge(_P + "ready", "1 when connected and every assigned partition is claimed.",
-                           registry=registry)
-        self.last_commit = Gauge(_P + "last_commit_timestamp_seconds", "Unix time of the last batch commit.",
-                                 registry=registry)
-        # Work.
-        self.applied = Counter(_P + "movements_applied", "Movements applied to the ledger.", registry=registry)
-        self.rejected = Counter(_P + "movements_rejected", "Records quarantined in rejected_movements.", ["reason"],
-                                registry=registry)
-        self.batches = Counter(_P + "batches_committed", "Batch transactions committed.", registry=registry)
-        self.fenced = Counter(_P + "batches_fenced", "Batches rolled back because another claim owns a partition.",
-                              registry=registry)
-        self.offset_mismatches = Counter(
-            _P + "offset_mismatches",
-            "Partitions whose stored offset was not where this worker left it, claimed again and re-applied from "
-            "Kafka: behind (the database went back in time: a failover that lost commits, a restore) or ahead "
-            "(moved by someone else).", ["direction"], registry=registry)
-        for direction in ("behind", "ahead"):
-            self.offset_mismatches.labels(direction)
-        self.rebalances = Counter(_P + "rebalances", "Partition assignments received from the group.",
-                                  registry=registry)
-        self.claims = Counter(_P + "partition_claims", "Partitions claimed in PostgreSQL.", registry=registry)
-        self.retries = Counter(_P + "retries", "Retried operations by cause.", ["cause"], registry=registry)
-        # Input the ledger survives rather than stops on (issue 9).
-        self.kafka_timestamps_out_of_range = Counter(
-            _P + "kafka_timestamps_out_of_range",
-            "Records whose Kafka timestamp is negative (not -1) or past year 9999: stored with a NULL kafka_timestamp.",
-            registry=registry)
-        self.batch_bisections = Counter(
-            _P + "batch_bisections",
-            "Splits of a batch chunk PostgreSQL refused, to isolate and quarantine the refused records.",
-            registry=registry)
-        # Latency.
-        self.batch_duration = Histogram(
-            _P + "batch_duration_seconds", "Duration of the batch transaction.", registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        )
-        self.batch_records = Histogram(
-            _P + "batch_records", "Records per batch.", registry=registry,
-            buckets=(1, 10, 50, 100, 500, 1000, 2500, 5000, 10000, 25000),
-        )
-        self.end_to_end = BatchHistogram(
-            _P + "end_to_end_latency_seconds", "Kafka record timestamp to PostgreSQL commit.",
-            (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry,
-        )
-        # Ledger invariants, on a slow timer (positions.py, invariants.py).
-        self.coordinates_unique = Gauge(
-            _P + "ledger_coordinates_unique",
-            "1 while the unique constraint on (kafka_topic, kafka_partition, kafka_offset) is present and valid.",
-            registry=leader)
-        self.partitions_ahead = Gauge(_P + "ledger_partitions_ahead_of_offset",
-                                      "Partitions holding a row at or beyond their stored next offset.",
-                                      registry=leader)
-        self.invariant_check = Histogram(
-            _P + "invariant_check_duration_seconds", "Duration of an invariant check, by scope.", ["scope"],
-            registry=registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-        )
-        self.level_mismatches = Gauge(_P + "ledger_stock_level_mismatches",
-                                      "stock_levels rows that differ from the sum of their movements.",
-                                      registry=leader)
-        self.missing_records = Gauge(_P + "ledger_missing_records",
-                                     "Records below a stored offset in neither stock_movements nor rejected_movements "
-                                     "(Kafka holds them: a hole in the ledger), as last found.", registry=leader)
-        # Warehouse signals, on the position timer from the partial index of negative levels (positions.py).
-        # The leader exports the whole-ledger value: aggregate with max.
-        self.negative_stock_levels = Gauge(_P + "negative_stock_levels",
-                                           "(warehouse, sku) pairs whose on_hand is below zero.", registry=leader)
-        self.negative_stock_units = Gauge(_P + "negative_stock_units",
-                                          "Sum of the deficits of the pairs below zero, as a positive number.",
-                                          registry=leader)
-        self.build_info = Gauge(_P + "build_info", "Versions of stock-ledger and its drivers.",
-                                ["version", "python", "aiokafka", "asyncpg"], registry=registry)
+        for declared in vars(Metrics).values():
+            if isinstance(declared, _Declared):
+                metric = declared.build(registry=self._leader.inner if declared.leader else registry)
+                for value in declared.preset:
+                    metric.labels(value)
+                setattr(self, declared.attr, metric)
         self.build_info.labels(_version("stock-ledger"), platform.python_version(), _version("aiokafka"),
                                _version("asyncpg")).set(1)
-        # Series that must exist before anything happens, so rate() and alerts see a 0, not an absence.
-        for code in RejectCode:
-            self.rejected.labels(code.value)
-        for cause in _RETRY_CAUSES:
-            self.retries.labels(cause)
         self._reset_leader_view()
-        for scope in ("baseline", "incremental", "full"):
-            self.invariant_check.labels(scope)
 
     def lead(self, *, leading: bool) -> None:
         """Whether this pod holds the monitor lease: its gauges are exported only while it does. On every change
