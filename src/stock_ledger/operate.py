@@ -78,7 +78,12 @@ def _command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The `offsets` and `rejected` command groups."""
+    """The `offsets` and `rejected` command groups, and `repair`; each takes --json."""
+    for command in (*_add_offsets(sub), *_add_rejected(sub), _add_repair(sub)):
+        command.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+
+def _add_offsets(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> tuple[argparse.ArgumentParser, ...]:
     offsets = _command(sub, "offsets", "offsets",
                        "show or move the partitions' stored offsets (the source of truth, in PostgreSQL)",
                        "Offsets live in PostgreSQL; Kafka's --reset-offsets changes nothing here.")
@@ -107,7 +112,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     move.add_argument("--force", action="store_true",
                       help="act although workers are in the group (they are fenced, exit and re-claim)")
     move.add_argument("--dry-run", action="store_true", help="show the plan, change nothing")
+    return show, move
 
+
+def _add_rejected(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> tuple[argparse.ArgumentParser, ...]:
     rejected = _command(sub, "rejected", "rejected", "list, show and replay quarantined records (rejected_movements)")
     rsub = rejected.add_subparsers(dest="action", required=True)
     listing = _command(rsub, "list", "rejected", "quarantined records, oldest first")
@@ -127,6 +135,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                         help="only rows with this reason_code")
     replay.add_argument("--dry-run", action="store_true", help="report what would be applied, change nothing")
     replay.add_argument("--batch-size", type=int, default=500, help="rows per transaction (default 500)")
+    return listing, one, replay
+
+
+def _add_repair(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     fix = _command(
         sub, "repair", "repair",
         "re-apply from Kafka the records an earlier version skipped (verify's gaps), exactly once",
@@ -147,8 +159,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                      help="find and count exactly what would be written (each chunk rolled back), change nothing")
     fix.add_argument("--batch-size", type=int, default=500, help="records per transaction (default 500)")
     fix.set_defaults(action="")
-    for command in (show, move, listing, one, replay, fix):
-        command.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    return fix
 
 
 def handler(settings: Settings, args: argparse.Namespace) -> Callable[[], Coroutine[Any, Any, int]] | None:
