@@ -76,7 +76,9 @@ def test_the_walkthrough_survives_its_kill_minus_9_exactly(services: Services, d
     exiting 0, and the independent check finds 50,000 movements exactly once."""
     if subprocess.run(["pgrep", "-f", "stock-ledger run"], check=False, capture_output=True).returncode == 0:
         pytest.fail("another `stock-ledger run` is running on this machine: the walkthrough's pkill would kill it")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")} | {
+    # A user's shell, not make's child: no MAKELEVEL (it would make the nested make print its directories).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("STOCK_LEDGER_") and k not in {"MAKELEVEL", "MAKEFLAGS", "MFLAGS"}} | {
         "KAFKA_BOOTSTRAP_SERVERS": services.kafka, "DATABASE_URL": database.owner_url, "STOCK_LEDGER_TOPIC": topic,
         "STOCK_LEDGER_METRICS_PORT": str(free_port()), "NO_COLOR": "1",
     }
