@@ -47,7 +47,7 @@ lint: venv
 
 test: venv services tools lint containers
 	@echo "== running the whole test suite against the real broker and database"
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-testcontainers
 
 bench: BENCH_ARGS ?= drain
