@@ -509,8 +509,9 @@ async def measure_soak(bench: Bench, a: argparse.Namespace) -> str:
         argv = java_producer(bench.services.kafka, topic, count, str(a.rate)) or [
             sys.executable, "-m", "stock_ledger", "produce", "--count", str(count), "--rate", str(a.rate)]
         with (bench.logs / "producer.log").open("wb") as log:
-            producer = subprocess.Popen(argv,  # noqa: ASYNC220 - started, not waited for env=worker_env(bench.services.kafka, bench.owner_url, topic, "soak"),
-                                        stdout=log, stderr=subprocess.STDOUT)
+            producer = subprocess.Popen(  # noqa: ASYNC220 - started, not waited for
+                argv, env=worker_env(bench.services.kafka, bench.owner_url, topic, "soak"), stdout=log,
+                stderr=subprocess.STDOUT)
         before = scrape(fleet.procs[0].worker.port)
         disk.start()
         cpu = CpuShares(fleet.procs[0].ps, psutil.Process(producer.pid))
