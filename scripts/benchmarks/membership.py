@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
-from benchkit import Bench, connection, say
+from benchkit import Bench, check_alive, connection, say
 from localservices import WorkerProcess, start_worker, wait_until
 
 from stock_ledger.produce import produce
@@ -86,12 +86,7 @@ async def wait_ready(workers: Sequence[WorkerProcess], within: float = 60) -> No
     async def ready() -> bool:
         return all(await asyncio.gather(*(asyncio.to_thread(w.ready) for w in workers)))
 
-    def alive() -> None:
-        for w in workers:
-            if not w.alive():
-                raise RuntimeError(f"worker {w.log} exited with {w.proc.returncode}: {w.log_tail(20)}")
-
-    await wait_until(ready, within, f"workers not ready within {within:g}s", check=alive)
+    await wait_until(ready, within, f"workers not ready within {within:g}s", check=lambda: check_alive(workers))
 
 
 async def rolling_restart(a: argparse.Namespace, mode: str, bench: Bench, topic: str) -> dict[str, Any]:

@@ -37,13 +37,24 @@ from urllib.parse import urlsplit
 
 import msgspec
 from aiokafka import AIOKafkaProducer
-from benchkit import ROOT, Bench, bar_svg, median_of, say, table, timed_until
-from localservices import WorkerProcess, free_port, start_worker, wait_until
+from benchkit import (
+    LEVEL_MISMATCHES,
+    ROOT,
+    Bench,
+    applied,
+    bar_svg,
+    check_alive,
+    median_of,
+    prefixed,
+    say,
+    table,
+    timed_until,
+)
+from localservices import WorkerProcess, free_port, start_worker, stop_workers, wait_until
 
 from benchmarks.drain import NAIVE_COUNT, limits, naive
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
-from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     import argparse
@@ -286,28 +297,20 @@ async def drill_ours(bench: Bench, topic: str, count: int, kills: int, rng: rand
             workers[-1].kill()
         workers.append(start_worker(bench.worker_env(topic, group), bench.logs / f"drill-{len(workers)}.log"))
 
-    def check() -> None:
-        if not workers[-1].alive():
-            raise RuntimeError(f"the worker exited with {workers[-1].proc.returncode}: {workers[-1].log_tail(20)}")
-
     async with bench.owner() as conn:
-        async def applied() -> int:
-            stored = await stored_offsets(conn, group, topic)
-            return sum(min(n or 0, ends.get(p, 0)) for p, n in stored.items())
+        async def progress() -> int:
+            return await applied(conn, group, topic, ends)
 
         async def drained() -> bool:
-            return await applied() >= count
+            return await progress() >= count
 
         restart()
-        try:
-            landed = await kill_drill(kills, 0.25, rng, check, applied, drained, restart)  # a 50k drain: ~1 s
+        try:  # a 50k drain takes about 1 s: kills within 0.25 s of progress
+            landed = await kill_drill(kills, 0.25, rng, lambda: check_alive(workers[-1:]), progress, drained, restart)
         finally:
-            workers[-1].signal(signal.SIGTERM)
-            await asyncio.to_thread(workers[-1].wait, 30)
+            await stop_workers(workers[-1:], 30)
         rows, distinct = await counts(conn, "stock_movements")
-        mismatches = await conn.fetchval("""
-            SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS total FROM stock_movements GROUP BY 1, 2) m
-            FULL JOIN stock_levels l USING (warehouse_id, sku) WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)""")
+        mismatches = await conn.fetchval(LEVEL_MISMATCHES)
     say(f"  drill stock-ledger: {landed} kills, rows {rows:,} | distinct {distinct:,}, level mismatches {mismatches}")
     return {"system": "stock-ledger", "kills": landed, "rows": rows, "distinct": distinct,
             "duplicates": rows - distinct, "level_mismatches": int(mismatches)}
@@ -360,10 +363,10 @@ async def measure(bench: Bench, a: argparse.Namespace) -> str:
     for r in range(a.repeat):
         say(f"=== repetition {r + 1}/{a.repeat}")
         run = await limits(bench, ours)
-        run |= {f"ours_{k}": v for k, v in (await bench.worker(ours, f"peer-{r}", 1, a.count)).items()}
+        run |= prefixed("ours_", await bench.worker(ours, f"peer-{r}", 1, a.count))
         for mode in MODES:
-            drained = await Connect(bench, classpath, theirs, mode, f"{mode}-{r}").drain(a.count)
-            run |= {f"connect_{mode}_{k}": v for k, v in drained.items()}
+            peer = Connect(bench, classpath, theirs, mode, f"{mode}-{r}")
+            run |= prefixed(f"connect_{mode}_", await peer.drain(a.count))
         run |= await naive(bench, ours, min(NAIVE_COUNT, a.count))
         runs.append(run)
     m = res["median"] = median_of(runs)
