@@ -57,6 +57,10 @@ SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END FROM s
 ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = excluded.on_hand, went_negative_at = excluded.went_negative_at
 """
 STARTED: Final = time.monotonic()
+# The broker version and the cache of scripts/kafka.sh: its pinned default unless KAFKA_VERSION is set, like there.
+KAFKA_VERSION: Final = os.environ.get("KAFKA_VERSION") or (ROOT / "scripts" / "kafka.sh").read_text().split(
+    'KAFKA_VERSION="${KAFKA_VERSION:-', 1)[-1].split("}", 1)[0]
+CACHE: Final = Path(os.environ.get("STOCK_LEDGER_CACHE", Path.home() / ".cache" / "stock-ledger"))
 Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
 Commits = dict[int, tuple[list[int], list[float], list[float]]]
 
@@ -134,11 +138,8 @@ class Bench:
     async def versions(self) -> dict[str, str]:
         async with connection(self.services.admin_url) as conn:
             postgres = str(await conn.fetchval("SHOW server_version"))
-        kafka = "unknown (KAFKA_BOOTSTRAP_SERVERS)"
-        if self.services.origin == "scripts":
-            script = (ROOT / "scripts" / "kafka.sh").read_text()
-            default = script.split('KAFKA_VERSION="${KAFKA_VERSION:-', 1)[-1].split("}", 1)[0]
-            kafka = f"{os.environ.get('KAFKA_VERSION', default)} (scripts/kafka.sh)"
+        kafka = f"{KAFKA_VERSION} (scripts/kafka.sh)" if self.services.origin == "scripts" else (
+            "unknown (KAFKA_BOOTSTRAP_SERVERS)")
         return {"postgresql": postgres, "kafka": kafka, "origin": self.services.origin}
 
     async def end_offsets(self, topic: str) -> dict[int, int]:

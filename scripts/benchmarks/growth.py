@@ -94,9 +94,6 @@ async def backlog(bench: Bench, a: argparse.Namespace) -> str:
     return topic
 
 
-# ------------------------------------------------------------------------------------------------ scale-out
-
-
 async def measure_scaleout(bench: Bench, a: argparse.Namespace) -> str:
     topic = await backlog(bench, a)
     results = bench.results["scaleout"] = []
@@ -111,9 +108,6 @@ async def measure_scaleout(bench: Bench, a: argparse.Namespace) -> str:
         ("workers", "movements/s (spawn)", "(first commit)", "efficiency", "CPU s/100k", "peak RSS MiB"),
         ((int(s["workers"]), f"{s['rate']:,.0f}", f"{s['steady_rate']:,.0f}", f"{eff[int(s['workers'])]:.2f}"
           if eff else "-", f"{s['cpu_seconds_per_100k']:.2f}", f"{s['peak_rss_mib']:.0f}") for s in results))])
-
-
-# ------------------------------------------------------------------------------------------------ growth
 
 
 async def measure_growth(bench: Bench, a: argparse.Namespace) -> str:

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import psutil
 from benchkit import (
+    CACHE,
     E2E,
+    KAFKA_VERSION,
     LEVELS_FROM_MOVEMENTS,
     MIB,
     PARTITIONS,
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
 
     import asyncpg
 
-KAFKA_LIBS: Final = Path(os.environ.get("KAFKA_LIBS", Path.home() / ".cache/stock-ledger/kafka-4.1.1/libs"))
+KAFKA_LIBS: Final = Path(os.environ.get("KAFKA_LIBS", CACHE / f"kafka-{KAFKA_VERSION}" / "libs"))
 CHECKS: Final = "stock_ledger_invariant_check_duration_seconds"
 BATCH_TXN: Final = "stock_ledger_batch_duration_seconds"
 _ONE_CORE: Final = ("SET max_parallel_workers_per_gather = 0", "SET max_parallel_maintenance_workers = 0",
@@ -83,7 +85,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
 def java_producer(kafka: str, topic: str, count: int, mode: str | None = None) -> list[str] | None:
     """The argv of scripts/FastProducer.java (`mode`: a rate, "sparse", or None for tiny records) on the project's
     Kafka jars; None where Java or the jars are missing."""
-    if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
+    if shutil.which("java") is None or not (KAFKA_LIBS / f"kafka-clients-{KAFKA_VERSION}.jar").exists():
         return None
     # Paced (the soak's load), the producer shares the host with what it measures: C1 alone and the serial
     # collector compile and collect less while the soak's first minute runs (13.0-14.8 CPU-s for 30 s at
