@@ -505,8 +505,6 @@ async def measure_soak(bench: Bench, a: argparse.Namespace) -> str:
             now = scrape(fleet.procs[0].worker.port)
             per_minute.append(await minute_row(minute, fleet, (before, now), (disk.take(), cpu.take())))
             before = now
-            if producer.poll() is not None and minute >= a.minutes:
-                break
         if await asyncio.to_thread(producer.wait, 600) != 0:
             raise RuntimeError(f"the producer failed; see {bench.logs / 'producer.log'}")
         await fleet.wait_drained(await bench.end_offsets(topic), 300)
