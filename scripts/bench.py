@@ -1,13 +1,8 @@
 """stock-ledger's benchmarks: one entry point, one subcommand per question, one kit (scripts/benchkit.py).
 
-    .venv/bin/python scripts/bench.py drain          # the worker against its physical limits and the naive loop
-    .venv/bin/python scripts/bench.py peers          # ... and against Kafka Connect + the Debezium JDBC sink
-    .venv/bin/python scripts/bench.py growth         # drain rate and invariant scans as the ledger grows
-    .venv/bin/python scripts/bench.py scale-out      # drain rate by worker count
-    .venv/bin/python scripts/bench.py soak --minutes M --rate R    # latency, memory and checks under steady load
-    .venv/bin/python scripts/bench.py verify --sizes N,...         # `stock-ledger verify` and the checks at size
-    .venv/bin/python scripts/bench.py membership     # partition downtime in a rolling restart, per membership model
-    .venv/bin/python scripts/bench.py signals copy levels          # what the warehouse signals cost
+    .venv/bin/python scripts/bench.py drain
+    .venv/bin/python scripts/bench.py soak --minutes 10 --rate 5000
+    .venv/bin/python scripts/bench.py SUBCOMMAND --help      # what it measures, and its options
 
 Each prints its table on stdout beneath the command line that produced it, progress on stderr, and writes JSON
 (the options, the machine, every measurement) to --out, by default bench-results/<subcommand>-<time>.json, with

@@ -1,14 +1,12 @@
-"""The one kit of scripts/bench.py's subcommands: a run's scratch databases and topics on the local services
-(`Bench`), the real worker processes draining them with their memory and CPU sampled (`Fleet`), bulk loads, the
-worker's metrics and commit log, medians, tables, the machine a result was measured on, and a bar chart.
-
-The worker processes are `localservices.WorkerProcess`, the type the tests start (tests/helpers.py, `WorkerPool`);
-services, databases and topics come from scripts/localservices.py too.
+"""The kit of scripts/bench.py's subcommands: a run's scratch databases and topics (`Bench`), real worker processes
+draining them with their memory and CPU sampled (`Fleet`; `localservices.WorkerProcess`, the tests' type), bulk
+loads, the worker's metrics and commit log, medians, tables, the machine a result was measured on, a bar chart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -47,6 +45,11 @@ BATCH: Final = Settings().batch_max_records  # the worker's default STOCK_LEDGER
 MIB: Final = 1024 * 1024
 E2E: Final = "stock_ledger_end_to_end_latency_seconds"
 LEDGER_TABLES: Final = "stock_movements, rejected_movements, consumer_offsets, stock_levels"
+# Pairs whose stored level is not the sum of their movements: 0 on a consistent ledger.
+LEVEL_MISMATCHES: Final = """
+SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS total FROM stock_movements GROUP BY 1, 2) AS m
+  FULL JOIN stock_levels AS l USING (warehouse_id, sku) WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)
+"""
 # stock_levels made to match the movements; went_negative_at set exactly when on_hand < 0 (migration 0004's CHECK).
 LEVELS_FROM_MOVEMENTS: Final = """
 INSERT INTO stock_levels (warehouse_id, sku, on_hand, went_negative_at)
@@ -54,7 +57,12 @@ SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END FROM s
 ON CONFLICT (warehouse_id, sku) DO UPDATE SET on_hand = excluded.on_hand, went_negative_at = excluded.went_negative_at
 """
 STARTED: Final = time.monotonic()
+# The broker version and the cache of scripts/kafka.sh: its pinned default unless KAFKA_VERSION is set, like there.
+KAFKA_VERSION: Final = os.environ.get("KAFKA_VERSION") or (ROOT / "scripts" / "kafka.sh").read_text().split(
+    'KAFKA_VERSION="${KAFKA_VERSION:-', 1)[-1].split("}", 1)[0]
+CACHE: Final = Path(os.environ.get("STOCK_LEDGER_CACHE", Path.home() / ".cache" / "stock-ledger"))
 Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
+Commits = dict[int, tuple[list[int], list[float], list[float]]]
 
 
 def say(message: str) -> None:
@@ -68,9 +76,6 @@ async def connection(url: str, **options: Any) -> AsyncIterator[asyncpg.Connecti
         yield conn
     finally:
         await conn.close()
-
-
-# ------------------------------------------------------------------------------------------------ one run
 
 
 @dataclass
@@ -95,10 +100,6 @@ class Bench:
     @property
     def owner_url(self) -> str:
         return self.services.url_for(self.database)
-
-    @property
-    def worker_url(self) -> str:
-        return self.services.url_for(self.database, worker=True)
 
     def owner(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
         return connection(self.owner_url)
@@ -137,11 +138,8 @@ class Bench:
     async def versions(self) -> dict[str, str]:
         async with connection(self.services.admin_url) as conn:
             postgres = str(await conn.fetchval("SHOW server_version"))
-        kafka = "unknown (KAFKA_BOOTSTRAP_SERVERS)"
-        if self.services.origin == "scripts":
-            script = (ROOT / "scripts" / "kafka.sh").read_text()
-            default = script.split('KAFKA_VERSION="${KAFKA_VERSION:-', 1)[-1].split("}", 1)[0]
-            kafka = f"{os.environ.get('KAFKA_VERSION', default)} (scripts/kafka.sh)"
+        kafka = f"{KAFKA_VERSION} (scripts/kafka.sh)" if self.services.origin == "scripts" else (
+            "unknown (KAFKA_BOOTSTRAP_SERVERS)")
         return {"postgresql": postgres, "kafka": kafka, "origin": self.services.origin}
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
@@ -158,7 +156,8 @@ class Bench:
         return {"produce_seconds": seconds, "produce_rate": count / seconds}
 
     def worker_env(self, topic: str, group: str, **extra: str) -> dict[str, str]:
-        return localservices.worker_env(self.services.kafka, self.worker_url, topic, group, **extra)
+        url = self.services.url_for(self.database, worker=True)
+        return localservices.worker_env(self.services.kafka, url, topic, group, **extra)
 
     async def reset_ledger(self) -> None:
         async with self.owner() as conn:
@@ -197,9 +196,6 @@ class Bench:
             f"steady {result['steady_rate']:,.0f}/s), peak RSS {result['peak_rss_mib']:.0f} MiB, "
             f"{result['cpu_seconds_per_100k']:.2f} CPU s per 100k")
         return result
-
-
-# ------------------------------------------------------------------------------------------------ workers
 
 
 @dataclass
@@ -248,10 +244,7 @@ class Fleet:
             await asyncio.sleep(0.1)
 
     def check_alive(self) -> None:
-        for p in self.procs:
-            if not p.worker.alive():
-                raise RuntimeError(f"worker {p.worker.log.name} exited with {p.worker.proc.returncode}:\n"
-                                   f"{p.worker.log_tail(20)}")
+        check_alive(p.worker for p in self.procs)
 
     async def wait_claimed(self, within: float) -> None:
         async with self.bench.owner() as conn:
@@ -263,11 +256,8 @@ class Fleet:
 
     async def wait_drained(self, ends: dict[int, int], within: float) -> None:
         async with self.bench.owner() as conn:
-            async def applied() -> int:
-                stored = await stored_offsets(conn, self.group, self.topic)
-                return sum(min(stored.get(p) or 0, end) for p, end in ends.items())
-
-            self.first_commit, self.drained = await timed_until(applied, sum(ends.values()), within, self.label,
+            self.first_commit, self.drained = await timed_until(lambda: applied(conn, self.group, self.topic, ends),
+                                                                sum(ends.values()), within, self.label,
                                                                 self.check_alive)
 
     async def stop(self) -> None:
@@ -305,6 +295,19 @@ class Fleet:
                 "cpu_seconds_per_100k": cpu / count * 100_000}
 
 
+def check_alive(workers: Iterable[WorkerProcess]) -> None:
+    """Raise, with the end of its log, if one of `workers` has exited."""
+    for w in workers:
+        if not w.alive():
+            raise RuntimeError(f"worker {w.log.name} exited with {w.proc.returncode}:\n{w.log_tail(20)}")
+
+
+async def applied(conn: asyncpg.Connection, group: str, topic: str, ends: dict[int, int]) -> int:
+    """How many of the records up to `ends` (partition -> log end) the group has stored offsets past."""
+    stored = await stored_offsets(conn, group, topic)
+    return sum(min(stored.get(p) or 0, end) for p, end in ends.items())
+
+
 async def timed_until(progress: Callable[[], Awaitable[int]], total: int, within: float, label: str,
                       check: Callable[[], None]) -> tuple[float | None, float]:
     """Poll `progress` every 100 ms until it reaches `total`, saying how far it got every 5 s; when it first moved
@@ -325,9 +328,6 @@ async def timed_until(progress: Callable[[], Awaitable[int]], total: int, within
     return first or now, now
 
 
-# ------------------------------------------------------------------------------------------------ bulk loads
-
-
 async def bulk_load(conn: asyncpg.Connection, table: str, statement: str, chunks: Iterable[tuple[Any, ...]], *,
                     maintenance_work_mem: str = "256MB") -> None:
     """Run `statement` once per chunk's arguments with the table's unique constraints dropped, then add them back
@@ -344,9 +344,6 @@ async def bulk_load(conn: asyncpg.Connection, table: str, statement: str, chunks
     for name, definition in constraints:
         await conn.execute(f'ALTER TABLE {table} ADD CONSTRAINT "{name}" {definition}')
     say(f"  bulk load of {table}: unique constraints rebuilt")
-
-
-# ------------------------------------------------------------------------------------------------ the worker's view
 
 
 def scrape(port: int) -> Metrics:
@@ -371,7 +368,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float], list[float]]]:
+def commit_times(logs: Iterable[Path]) -> Commits:
     """partition -> (last offsets, commit times, fetch times) of each committed batch, from the worker's debug log.
     The fetch time is when the worker took the batch's records from its consumer (NaN from a worker that does not
     log it)."""
@@ -391,7 +388,15 @@ def commit_times(logs: Iterable[Path]) -> dict[int, tuple[list[int], list[float]
     return {p: ([x[0] for x in s], [x[1] for x in s], [x[2] for x in s]) for p, s in spans.items()}
 
 
-# ------------------------------------------------------------------------------------------------ results
+def commit_of(commits: Commits, partition: int, offset: int) -> tuple[float, float] | None:
+    """(commit time, fetch time) of the batch that committed this record; None where no log line says."""
+    lasts, ats, fetched = commits.get(partition, ([], [], []))
+    i = bisect.bisect_left(lasts, offset)
+    return (ats[i], fetched[i]) if i < len(lasts) else None
+
+
+def prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    return {prefix + k: v for k, v in values.items()}
 
 
 def median_of(runs: Sequence[dict[str, float]]) -> dict[str, float]:

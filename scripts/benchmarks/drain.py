@@ -19,7 +19,6 @@ On 2 cores the default run (N = 1,000,000, once) takes about 2 minutes.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
 import uuid
 from datetime import UTC, datetime
@@ -34,11 +33,12 @@ from benchkit import (
     Fleet,
     bar_svg,
     buckets,
+    commit_of,
     commit_times,
-    connection,
     ints,
     median_of,
     percentile,
+    prefixed,
     say,
     table,
 )
@@ -65,9 +65,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--latency-rate", type=int, default=5_000, help="movements/s of the steady load (default 5,000)")
     p.add_argument("--naive-count", type=int, default=NAIVE_COUNT, help="records for the naive baseline")
     p.add_argument("--svg", action="store_true", help="chart the batch size sweep beside --out")
-
-
-# ------------------------------------------------------------------------------------------------ the limits
 
 
 async def limits(bench: Bench, topic: str) -> dict[str, float]:
@@ -157,9 +154,6 @@ async def naive(bench: Bench, topic: str, count: int) -> dict[str, float]:
     return {"naive_seconds": seconds, "naive_rate": done / seconds}
 
 
-# ------------------------------------------------------------------------------------------------ latency
-
-
 async def latency(bench: Bench, rate: int, seconds: float) -> dict[str, float]:
     count = int(rate * seconds)
     topic = await bench.create_topic(f"latency-{len(bench.topics)}")
@@ -172,18 +166,9 @@ async def latency(bench: Bench, rate: int, seconds: float) -> dict[str, float]:
 
     # Debug level adds one `batch.committed` line per batch: its timestamp is the commit as the worker saw it.
     fleet = await bench.run_workers(topic, "latency", 1, {"STOCK_LEDGER_LOG_LEVEL": "debug"}, while_running=load)
-    result = await latency_from(bench.owner_url, fleet)
-    say(f"latency at {rate:,}/s: p50 {result['latency_p50_ms']:.0f} ms, p99 {result['latency_p99_ms']:.0f} ms "
-        f"(to the start of the batch transaction: p50 {result['latency_txn_start_p50_ms']:.0f} ms, p99 "
-        f"{result['latency_txn_start_p99_ms']:.0f} ms)")
-    return result
-
-
-async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
-    """produce -> commit per row: the batch's commit time (its `batch.committed` log line) minus the record's
-    Kafka timestamp (CreateTime, stamped by the producer when it accepted the record). Also from applied_at
-    (now() = the start of the batch transaction, so it leaves out the transaction itself) as a cross-check."""
-    async with connection(owner_url) as conn:
+    # produce -> commit per row: that commit time minus the record's Kafka CreateTime (stamped by the producer);
+    # from applied_at (now() = the start of the batch transaction, so without the transaction) as a cross-check.
+    async with bench.owner() as conn:
         rows = await conn.fetch("""
             SELECT kafka_partition, kafka_offset, extract(epoch FROM kafka_timestamp)::float8,
                    extract(epoch FROM applied_at)::float8 FROM stock_movements""")
@@ -191,10 +176,8 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     to_commit: list[float] = []
     to_txn_start = [1000 * (r[3] - r[2]) for r in rows]
     for partition, offset, kafka_ts, _ in rows:
-        lasts, ats, _ = commits.get(partition, ([], [], []))
-        i = bisect.bisect_left(lasts, offset)
-        if i < len(lasts):
-            to_commit.append(1000 * (ats[i] - kafka_ts))
+        if (commit := commit_of(commits, partition, offset)) is not None:
+            to_commit.append(1000 * (commit[0] - kafka_ts))
     if len(to_commit) != len(rows):
         say(f"latency: {len(rows) - len(to_commit)} rows without a batch.committed line; using applied_at")
         to_commit = to_txn_start
@@ -202,7 +185,7 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
     cumulative = buckets(fleet.metrics, E2E)
     total = cumulative[-1][1] if cumulative else 0.0
     hist99 = next(le for le, n in cumulative if n >= 0.99 * total) if total else None
-    return {
+    result = {
         "latency_rows": float(len(rows)),
         "latency_p50_ms": percentile(to_commit, 0.5),
         "latency_p99_ms": percentile(to_commit, 0.99),
@@ -212,13 +195,10 @@ async def latency_from(owner_url: str, fleet: Fleet) -> dict[str, float]:
         "latency_histogram_p99_le_ms": 1000 * hist99 if hist99 is not None else float("nan"),
         "latency_peak_rss_mib": fleet.summary(max(1, len(rows)))["peak_rss_mib"],
     }
-
-
-# ------------------------------------------------------------------------------------------------ the run
-
-
-def prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
-    return {prefix + k: v for k, v in values.items()}
+    say(f"latency at {rate:,}/s: p50 {result['latency_p50_ms']:.0f} ms, p99 {result['latency_p99_ms']:.0f} ms "
+        f"(to the start of the batch transaction: p50 {result['latency_txn_start_p50_ms']:.0f} ms, p99 "
+        f"{result['latency_txn_start_p99_ms']:.0f} ms)")
+    return result
 
 
 async def measure(bench: Bench, a: argparse.Namespace) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-from benchkit import LEVELS_FROM_MOVEMENTS, Bench, bar_svg, bulk_load, ints, median_of, say, table
+from benchkit import LEVEL_MISMATCHES, LEVELS_FROM_MOVEMENTS, Bench, bar_svg, bulk_load, ints, median_of, say, table
 
 if TYPE_CHECKING:
     import argparse
@@ -27,10 +27,7 @@ CHUNK: Final = 1_000_000
 # The invariant scans (a change in invariants.py should be measured here too).
 SCANS: Final = {
     "duplicates": "SELECT count(*) - count(DISTINCT (kafka_topic, kafka_partition, kafka_offset)) FROM stock_movements",
-    "level_mismatches": """
-        SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS total FROM stock_movements GROUP BY 1, 2) AS m
-        FULL JOIN stock_levels AS l USING (warehouse_id, sku)
-        WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)""",
+    "level_mismatches": LEVEL_MISMATCHES,
 }
 # Rows like produce.movements(): 4 warehouses, 1,000 SKUs, the same kinds; offsets continue per partition.
 _PRELOAD: Final = """
@@ -97,9 +94,6 @@ async def backlog(bench: Bench, a: argparse.Namespace) -> str:
     return topic
 
 
-# ------------------------------------------------------------------------------------------------ scale-out
-
-
 async def measure_scaleout(bench: Bench, a: argparse.Namespace) -> str:
     topic = await backlog(bench, a)
     results = bench.results["scaleout"] = []
@@ -114,9 +108,6 @@ async def measure_scaleout(bench: Bench, a: argparse.Namespace) -> str:
         ("workers", "movements/s (spawn)", "(first commit)", "efficiency", "CPU s/100k", "peak RSS MiB"),
         ((int(s["workers"]), f"{s['rate']:,.0f}", f"{s['steady_rate']:,.0f}", f"{eff[int(s['workers'])]:.2f}"
           if eff else "-", f"{s['cpu_seconds_per_100k']:.2f}", f"{s['peak_rss_mib']:.0f}") for s in results))])
-
-
-# ------------------------------------------------------------------------------------------------ growth
 
 
 async def measure_growth(bench: Bench, a: argparse.Namespace) -> str:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import signal
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
-from benchkit import Bench, connection, say
+from benchkit import Bench, check_alive, connection, say
 from localservices import WorkerProcess, start_worker, wait_until
 
 from stock_ledger.produce import produce
@@ -74,10 +75,9 @@ class Sampler:
                 stored = await stored_offsets(conn, self._group, self._topic)
                 now = time.monotonic()
                 for p, next_offset in stored.items():
-                    prev = self._last.get(p)
-                    if prev is None or (next_offset or 0) != prev[0]:
-                        if prev is not None:
-                            self._gaps[p] = max(self._gaps.get(p, 0.0), now - prev[1])
+                    last, since = self._last.get(p, (None, now))
+                    if (next_offset or 0) != last:
+                        self._gaps[p] = max(self._gaps.get(p, 0.0), now - since)
                         self._last[p] = (next_offset or 0, now)
                 await asyncio.sleep(SAMPLE_SECONDS)
 
@@ -86,25 +86,18 @@ async def wait_ready(workers: Sequence[WorkerProcess], within: float = 60) -> No
     async def ready() -> bool:
         return all(await asyncio.gather(*(asyncio.to_thread(w.ready) for w in workers)))
 
-    def alive() -> None:
-        for w in workers:
-            if not w.alive():
-                raise RuntimeError(f"worker {w.log} exited with {w.proc.returncode}: {w.log_tail(20)}")
-
-    await wait_until(ready, within, f"workers not ready within {within:g}s", check=alive)
+    await wait_until(ready, within, f"workers not ready within {within:g}s", check=lambda: check_alive(workers))
 
 
 async def rolling_restart(a: argparse.Namespace, mode: str, bench: Bench, topic: str) -> dict[str, Any]:
-    group, spawned = f"bench-{bench.run_id}-{mode}", 0
+    group, spawned = f"bench-{bench.run_id}-{mode}", itertools.count(1)
 
     def spawn(slot: int) -> WorkerProcess:
-        nonlocal spawned
-        spawned += 1
         # A Deployment pod's name is new on every replacement; a StatefulSet's is the slot's.
         instance = {"dynamic": None, "stable": f"worker-{slot}"}.get(mode, f"worker-{slot}-{uuid.uuid4().hex[:5]}")
         extra = {"STOCK_LEDGER_SESSION_TIMEOUT_MS": str(a.session_timeout_ms)}
         extra |= {"STOCK_LEDGER_GROUP_INSTANCE_ID": instance} if instance else {}
-        return start_worker(bench.worker_env(topic, group, **extra), bench.logs / f"{mode}-{slot}-{spawned}.log",
+        return start_worker(bench.worker_env(topic, group, **extra), bench.logs / f"{mode}-{slot}-{next(spawned)}.log",
                             gated=True)
 
     workers = [spawn(slot) for slot in range(a.workers)]

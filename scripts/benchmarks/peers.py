@@ -1,28 +1,26 @@
 """peers: the worker against its limits, Kafka Connect + the Debezium JDBC sink and the naive loop, on the same rows.
 
-What users would pick instead of us: Kafka Connect 4.1.1 standalone with the Debezium JDBC sink (both from Maven
-Central, resolved into ~/.cache/stock-ledger/connect-<version>/ on the first run; scripts/connect/ holds the poms
-and the properties templates). One run, on one broker, one database and one set of movements:
+The peer is Kafka Connect (scripts/kafka.sh's version) standalone with the Debezium JDBC sink, resolved from Maven
+Central into ~/.cache/stock-ledger/connect-<version>/ on the first run (scripts/connect/: the poms, the templates).
+One broker, one database, one set of movements:
 
-1. side by side  N movements (default 200,000, 24 partitions): raw consume and raw COPY (the physical limits, as
-                 `drain` measures them), `stock-ledger run` (one process, spawn to every stored offset at the log
-                 end), Connect in insert mode and in upsert mode (JVM start to N rows in the table), and the naive
-                 loop on a slice. --repeat repeats them all and reports medians: the README's headline table.
-2. kill drill    --drill-count movements (default 50,000); --kills SIGKILLs at random moments while each system
-                 drains them (after the first rows of each incarnation landed), a restart right after each kill;
-                 at the end: rows vs distinct movement ids for each system.
+1. side by side  N movements (24 partitions): raw consume and raw COPY (the limits, as `drain` measures them),
+                 `stock-ledger run` (one process, spawn to every stored offset at the log end), Connect in insert
+                 and in upsert mode (JVM start to N rows in the table), and the naive loop on a slice; --repeat:
+                 medians. The README's headline table.
+2. kill drill    --kills SIGKILLs at random moments while each system drains --drill-count movements (after the
+                 first rows of each incarnation landed), each followed by a restart; then rows vs distinct ids.
 
-Input: the peer cannot read our message format (the Debezium sink needs typed records), so the same movements
-(same seed) are produced a second time, to a second topic, in JsonConverter's {"schema": ..., "payload": ...}
-envelope (`connect_envelope`), with the same keys. The peer writes into a table with the ledger's column types plus
-the Kafka coordinates (an InsertField transform); it keeps no stock levels and no quarantine, so it does less work
-than the ledger. Skipped with a message (exit 0) where `java` or `mvn` is missing.
+The Debezium sink needs typed records, so the same movements (same seed, same keys) go to a second topic in
+JsonConverter's {"schema", "payload"} envelope (`connect_envelope`). The peer's table has the ledger's column types
+plus the Kafka coordinates (an InsertField transform) and no levels or quarantine: less work than the ledger.
+Skipped with a message (exit 0) where `java` or `mvn` is missing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import random
 import shutil
 import signal
@@ -31,31 +29,42 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
 from aiokafka import AIOKafkaProducer
-from benchkit import ROOT, Bench, bar_svg, median_of, say, table, timed_until
-from localservices import WorkerProcess, free_port, start_worker, wait_until
+from benchkit import (
+    CACHE,
+    KAFKA_VERSION,
+    LEVEL_MISMATCHES,
+    ROOT,
+    Bench,
+    applied,
+    bar_svg,
+    check_alive,
+    median_of,
+    prefixed,
+    say,
+    table,
+    timed_until,
+)
+from localservices import WorkerProcess, free_port, start_worker, stop_workers, wait_until
 
 from benchmarks.drain import NAIVE_COUNT, limits, naive
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
-from stock_ledger.sink import stored_offsets
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Awaitable, Callable
+    from pathlib import Path
 
     import asyncpg
 
-KAFKA_VERSION: Final = os.environ.get("KAFKA_VERSION", "4.1.1")
 DEBEZIUM: Final = "io.debezium:debezium-connector-jdbc:3.6.0.Final:tar.gz:plugin"
 CONFIG: Final = ROOT / "scripts" / "connect"
-HOME: Final = Path(os.environ.get("STOCK_LEDGER_CACHE", Path.home() / ".cache" / "stock-ledger")) / (
-    f"connect-{KAFKA_VERSION}")
+HOME: Final = CACHE / f"connect-{KAFKA_VERSION}"
 MODES: Final = ("insert", "upsert")
 SEED: Final = 21
 # Debezium's logical names give the columns their types: uuid and timestamptz, like stock_movements.
@@ -132,9 +141,6 @@ def resolve_artifacts() -> tuple[Path, Path]:
     return libs, plugins
 
 
-# ------------------------------------------------------------------------------------------------ the peer
-
-
 @dataclass
 class Connect:
     """One Kafka Connect standalone process running one JDBC sink connector into `table`."""
@@ -192,23 +198,22 @@ class Connect:
     async def stop(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(self.popen.wait, 30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+            self.kill()
+
+    async def rows(self, conn: asyncpg.Connection) -> int:
+        return int(await conn.fetchval(f"SELECT count(*) FROM {self.table}"))
 
     async def drain(self, count: int) -> dict[str, float]:
         """Time from JVM start until the table holds `count` rows."""
         await self.create_table()
         async with self.bench.owner() as conn:
-            async def rows() -> int:
-                return int(await conn.fetchval(f"SELECT count(*) FROM {self.table}"))
-
             started = time.perf_counter()
             self.start()
             try:
-                first, done = await timed_until(rows, count, self.bench.timeout, f"connect {self.mode}",
-                                                self.check_alive)
+                first, done = await timed_until(lambda: self.rows(conn), count, self.bench.timeout,
+                                                f"connect {self.mode}", self.check_alive)
             finally:
                 await self.stop()
             n, distinct = await counts(conn, self.table)
@@ -220,9 +225,8 @@ class Connect:
 
 
 async def counts(conn: asyncpg.Connection, table: str) -> tuple[int, int]:
-    row = await conn.fetchrow(f"SELECT count(*), count(DISTINCT movement_id) FROM {table}")
-    assert row is not None  # noqa: S101 - an aggregate always returns one row
-    return int(row[0]), int(row[1])
+    [(rows, distinct)] = await conn.fetch(f"SELECT count(*), count(DISTINCT movement_id) FROM {table}")
+    return int(rows), int(distinct)
 
 
 async def produce_envelopes(bench: Bench, topic: str, count: int, seed: int) -> float:
@@ -249,13 +253,10 @@ async def produce_envelopes(bench: Bench, topic: str, count: int, seed: int) -> 
     return time.perf_counter() - started
 
 
-# ------------------------------------------------------------------------------------------------ kill drills
-
-
 async def kill_drill(  # noqa: PLR0913, PLR0917 - one drill, told apart by what it kills and how it counts
-        kills: int, pause: float, rng: random.Random, check: Callable[[], None],
-                     progress: Callable[[], Awaitable[int]], done: Callable[[], Awaitable[bool]],
-                     restart: Callable[[], None]) -> int:
+    kills: int, pause: float, rng: random.Random, check: Callable[[], None], progress: Callable[[], Awaitable[int]],
+    done: Callable[[], Awaitable[bool]], restart: Callable[[], None],
+) -> int:
     """Kill -9 and restart a system `kills` times, each at a random moment after its incarnation made progress,
     then wait until `done`; the kills that landed before it finished."""
     landed = 0
@@ -286,28 +287,20 @@ async def drill_ours(bench: Bench, topic: str, count: int, kills: int, rng: rand
             workers[-1].kill()
         workers.append(start_worker(bench.worker_env(topic, group), bench.logs / f"drill-{len(workers)}.log"))
 
-    def check() -> None:
-        if not workers[-1].alive():
-            raise RuntimeError(f"the worker exited with {workers[-1].proc.returncode}: {workers[-1].log_tail(20)}")
-
     async with bench.owner() as conn:
-        async def applied() -> int:
-            stored = await stored_offsets(conn, group, topic)
-            return sum(min(n or 0, ends.get(p, 0)) for p, n in stored.items())
+        async def progress() -> int:
+            return await applied(conn, group, topic, ends)
 
         async def drained() -> bool:
-            return await applied() >= count
+            return await progress() >= count
 
         restart()
-        try:
-            landed = await kill_drill(kills, 0.25, rng, check, applied, drained, restart)  # a 50k drain: ~1 s
+        try:  # a 50k drain takes about 1 s: kills within 0.25 s of progress
+            landed = await kill_drill(kills, 0.25, rng, lambda: check_alive(workers[-1:]), progress, drained, restart)
         finally:
-            workers[-1].signal(signal.SIGTERM)
-            await asyncio.to_thread(workers[-1].wait, 30)
+            await stop_workers(workers[-1:], 30)
         rows, distinct = await counts(conn, "stock_movements")
-        mismatches = await conn.fetchval("""
-            SELECT count(*) FROM (SELECT warehouse_id, sku, sum(qty) AS total FROM stock_movements GROUP BY 1, 2) m
-            FULL JOIN stock_levels l USING (warehouse_id, sku) WHERE coalesce(m.total, 0) <> coalesce(l.on_hand, 0)""")
+        mismatches = await conn.fetchval(LEVEL_MISMATCHES)
     say(f"  drill stock-ledger: {landed} kills, rows {rows:,} | distinct {distinct:,}, level mismatches {mismatches}")
     return {"system": "stock-ledger", "kills": landed, "rows": rows, "distinct": distinct,
             "duplicates": rows - distinct, "level_mismatches": int(mismatches)}
@@ -317,9 +310,6 @@ async def drill_connect(peer: Connect, count: int, kills: int, rng: random.Rando
     await peer.create_table()
     stable = {"rows": -1, "since": time.monotonic()}
     async with peer.bench.owner() as conn:
-        async def rows() -> int:
-            return int(await conn.fetchval(f"SELECT count(*) FROM {peer.table}"))
-
         async def drained() -> bool:  # every movement there and no new row for 5 s: Connect has no end of work
             n, distinct = await counts(conn, peer.table)
             if n != stable["rows"]:
@@ -332,16 +322,13 @@ async def drill_connect(peer: Connect, count: int, kills: int, rng: random.Rando
 
         peer.start()
         try:
-            landed = await kill_drill(kills, 2.0, rng, peer.check_alive, rows, drained, restart)
+            landed = await kill_drill(kills, 2.0, rng, peer.check_alive, lambda: peer.rows(conn), drained, restart)
         finally:
             await peer.stop()
         n, distinct = await counts(conn, peer.table)
     say(f"  drill connect {peer.mode}: {landed} kills, rows {n:,} | distinct {distinct:,}")
     return {"system": f"connect-{peer.mode}", "kills": landed, "rows": n, "distinct": distinct,
             "duplicates": n - distinct}
-
-
-# ------------------------------------------------------------------------------------------------ the run
 
 
 async def measure(bench: Bench, a: argparse.Namespace) -> str:
@@ -360,10 +347,10 @@ async def measure(bench: Bench, a: argparse.Namespace) -> str:
     for r in range(a.repeat):
         say(f"=== repetition {r + 1}/{a.repeat}")
         run = await limits(bench, ours)
-        run |= {f"ours_{k}": v for k, v in (await bench.worker(ours, f"peer-{r}", 1, a.count)).items()}
+        run |= prefixed("ours_", await bench.worker(ours, f"peer-{r}", 1, a.count))
         for mode in MODES:
-            drained = await Connect(bench, classpath, theirs, mode, f"{mode}-{r}").drain(a.count)
-            run |= {f"connect_{mode}_{k}": v for k, v in drained.items()}
+            peer = Connect(bench, classpath, theirs, mode, f"{mode}-{r}")
+            run |= prefixed(f"connect_{mode}_", await peer.drain(a.count))
         run |= await naive(bench, ours, min(NAIVE_COUNT, a.count))
         runs.append(run)
     m = res["median"] = median_of(runs)

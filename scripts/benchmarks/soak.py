@@ -3,27 +3,21 @@
 verify  per --sizes N: a fresh topic of N records (scripts/FastProducer.java; --records tiny: 8-byte values, many
         per record batch, the quickest to produce; sparse: valid movements, one per record batch, the layout a
         steady modest rate leaves and the most work per byte for verify's reader) and a fresh database preloaded
-        server-side with N movements at the same coordinates (generate_series into an UNLOGGED table, so no WAL;
-        the unique indexes built after the load, then VACUUM ANALYZE), stock levels equal to their sum and every
-        stored offset at the log end. Then `stock-ledger verify` runs as a subprocess: wall time and peak RSS (the
-        kernel's ru_maxrss, from wait4 in a small parent of its own, see `run_measured`). Then the invariant
-        checks: a full pass, then three "minutes" of traffic (--rate x 60 movements each, appended like batches)
-        each followed by an incremental check, timed.
+        server-side (UNLOGGED, unique indexes built after the load, one core) with N movements at the same
+        coordinates, levels to match and every stored offset at the log end. Then `stock-ledger verify`: wall time
+        and peak RSS (ru_maxrss, see `run_measured`); then the invariant checks: a full pass, then three "minutes"
+        of traffic (--rate x 60 movements each, appended like batches), each followed by an incremental check.
 soak    one worker (debug logs: one `batch.committed` line per batch) on a fresh topic and database while a paced
-        producer sends --rate movements/s for --minutes; every minute: end-to-end latency quantiles from the
-        worker's histogram (the delta over the minute, interpolated in the bucket like histogram_quantile, plus
-        the exact share under 50 ms, a bucket bound), worker RSS, database size, invariant check durations, the
-        host's disk writes and CPU shares (the kernel's writeback settings go into the JSON's meta). At the end:
-        exact per-minute p50/p95/p99 per row (the batch's commit time from its log line minus the record's Kafka
-        timestamp), then `stock-ledger verify`'s time and peak RSS.
-
-Preloads run with parallel workers off (one core).
+        producer sends --rate movements/s for --minutes; every minute: latency quantiles from the worker's
+        histogram (the minute's delta, interpolated like histogram_quantile; the share under 50 ms, a bucket bound),
+        worker RSS, database size, invariant check durations, the host's disk writes and CPU shares (the kernel's
+        writeback settings go into the JSON's meta). At the end: exact per-minute p50/p95/p99 over every row
+        (its batch's commit time minus its Kafka timestamp), then `stock-ledger verify`'s time and peak RSS.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import math
 import os
 import shutil
@@ -36,15 +30,20 @@ from typing import TYPE_CHECKING, Any, Final
 
 import psutil
 from benchkit import (
+    CACHE,
     E2E,
+    KAFKA_VERSION,
+    LEVELS_FROM_MOVEMENTS,
     MIB,
     PARTITIONS,
     ROOT,
     Bench,
+    Commits,
     Fleet,
     Metrics,
     buckets,
     bulk_load,
+    commit_of,
     commit_times,
     connection,
     ints,
@@ -64,7 +63,7 @@ if TYPE_CHECKING:
 
     import asyncpg
 
-KAFKA_LIBS: Final = Path(os.environ.get("KAFKA_LIBS", Path.home() / ".cache/stock-ledger/kafka-4.1.1/libs"))
+KAFKA_LIBS: Final = Path(os.environ.get("KAFKA_LIBS", CACHE / f"kafka-{KAFKA_VERSION}" / "libs"))
 CHECKS: Final = "stock_ledger_invariant_check_duration_seconds"
 BATCH_TXN: Final = "stock_ledger_batch_duration_seconds"
 _ONE_CORE: Final = ("SET max_parallel_workers_per_gather = 0", "SET max_parallel_maintenance_workers = 0",
@@ -83,13 +82,10 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--rate", type=int, default=5_000, help="movements/s of the simulated minutes (default 5,000)")
 
 
-# ------------------------------------------------------------------------------------------------ verify
-
-
 def java_producer(kafka: str, topic: str, count: int, mode: str | None = None) -> list[str] | None:
     """The argv of scripts/FastProducer.java (`mode`: a rate, "sparse", or None for tiny records) on the project's
     Kafka jars; None where Java or the jars are missing."""
-    if shutil.which("java") is None or not (KAFKA_LIBS / "kafka-clients-4.1.1.jar").exists():
+    if shutil.which("java") is None or not (KAFKA_LIBS / f"kafka-clients-{KAFKA_VERSION}.jar").exists():
         return None
     # Paced (the soak's load), the producer shares the host with what it measures: C1 alone and the serial
     # collector compile and collect less while the soak's first minute runs (13.0-14.8 CPU-s for 30 s at
@@ -135,9 +131,7 @@ async def preload(conn: asyncpg.Connection, topic: str, group: str, ends: dict[i
     await conn.execute("DROP INDEX stock_movements_applied_at_brin")
     await bulk_load(conn, "stock_movements", _AT_COORDINATES, [(topic, p, n, PARTITIONS) for p, n in ends.items()])
     await conn.execute("CREATE INDEX stock_movements_applied_at_brin ON stock_movements USING brin (applied_at)")
-    await conn.execute("""INSERT INTO stock_levels (warehouse_id, sku, on_hand, went_negative_at)
-                          SELECT warehouse_id, sku, sum(qty), CASE WHEN sum(qty) < 0 THEN now() END
-                            FROM stock_movements GROUP BY 1, 2""")
+    await conn.execute(LEVELS_FROM_MOVEMENTS)
     await conn.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
                           SELECT $1, $2, p, n FROM unnest($3::int[], $4::bigint[]) AS e(p, n)""",
                        group, topic, list(ends), list(ends.values()))
@@ -158,8 +152,7 @@ with open(sys.argv[1], "w") as f:
 
 
 def run_measured(argv: Sequence[str], env: dict[str, str], out: Path) -> dict[str, Any]:
-    """Run a command; its wall time, exit code, peak RSS (ru_maxrss of the command alone, from wait4 in a small
-    parent of its own) and last stdout line."""
+    """Run a command: its wall time, exit code, peak RSS (of the command alone, see _MEASURE), CPU, last stdout line."""
     started = time.perf_counter()
     usage = out.with_suffix(".rusage")
     with out.open("wb") as stdout, out.with_suffix(".err").open("wb") as stderr:
@@ -252,9 +245,6 @@ async def measure_verify(bench: Bench, a: argparse.Namespace) -> str:
                    f"{1000 * r['invariants']['incremental_median_seconds']:.0f}") for r in results))
 
 
-# ------------------------------------------------------------------------------------------------ soak: histograms
-
-
 def quantile(cumulative: Sequence[tuple[float, float]], q: float) -> float:
     """histogram_quantile: linear interpolation inside the bucket that holds quantile q."""
     if not cumulative or cumulative[-1][1] <= 0:
@@ -286,9 +276,6 @@ def exact_percentiles(values: array[float]) -> dict[str, float]:
     return {"rows": len(ordered), "p50_ms": percentile(ordered, 0.5), "p95_ms": percentile(ordered, 0.95),
             "p99_ms": percentile(ordered, 0.99), "max_ms": ordered[-1],
             "under_50ms": sum(1 for v in ordered if v <= 50) / len(ordered)}
-
-
-# ------------------------------------------------------------------------------------------------ soak: the host
 
 
 class DiskWrites:
@@ -406,9 +393,6 @@ def prime_wal() -> str:
     return lines[-1] if lines else "primed"
 
 
-# ------------------------------------------------------------------------------------------------ soak: the run
-
-
 async def minute_row(minute: int, fleet: Fleet, scrapes: tuple[Metrics, Metrics],
                      host: tuple[dict[str, float] | None, dict[str, float | None]]) -> dict[str, Any]:
     before, now = scrapes
@@ -443,8 +427,7 @@ async def minute_row(minute: int, fleet: Fleet, scrapes: tuple[Metrics, Metrics]
     return row
 
 
-async def exact_latency(owner_url: str, commits: dict[int, tuple[list[int], list[float], list[float]]],
-                        ) -> dict[int, Any]:
+async def exact_latency(owner_url: str, commits: Commits) -> dict[int, Any]:
     """Per minute of the soak (by the record's Kafka timestamp): exact quantiles over every row, of produce -> commit
     and of its two parts: produce -> taken by the worker (the producer's linger, the broker, the fetch, the wait for
     the worker's cycle in progress) and taken -> committed (the build and the batch transaction)."""
@@ -454,15 +437,14 @@ async def exact_latency(owner_url: str, commits: dict[int, tuple[list[int], list
         async for r in conn.cursor("""SELECT kafka_partition, kafka_offset,
                                              extract(epoch FROM kafka_timestamp)::float8 FROM stock_movements""",
                                    prefetch=20_000):
-            lasts, ats, fetched = commits.get(r[0], ([], [], []))
-            i = bisect.bisect_left(lasts, r[1])
-            if i < len(lasts):
+            if (commit := commit_of(commits, r[0], r[1])) is not None:
+                at, fetched = commit
                 total, taken, worker = by_minute.setdefault(
                     int((r[2] - first) // 60) + 1, (array("d"), array("d"), array("d")))
-                total.append(1000 * (ats[i] - r[2]))
-                if not math.isnan(fetched[i]):
-                    taken.append(1000 * (fetched[i] - r[2]))
-                    worker.append(1000 * (ats[i] - fetched[i]))
+                total.append(1000 * (at - r[2]))
+                if not math.isnan(fetched):
+                    taken.append(1000 * (fetched - r[2]))
+                    worker.append(1000 * (at - fetched))
     return {m: {**exact_percentiles(total), "to_worker": exact_percentiles(taken),
                 "in_worker": exact_percentiles(worker)} for m, (total, taken, worker) in by_minute.items()}
 
@@ -509,8 +491,9 @@ async def measure_soak(bench: Bench, a: argparse.Namespace) -> str:
         argv = java_producer(bench.services.kafka, topic, count, str(a.rate)) or [
             sys.executable, "-m", "stock_ledger", "produce", "--count", str(count), "--rate", str(a.rate)]
         with (bench.logs / "producer.log").open("wb") as log:
-            producer = subprocess.Popen(argv,  # noqa: ASYNC220 - started, not waited for env=worker_env(bench.services.kafka, bench.owner_url, topic, "soak"),
-                                        stdout=log, stderr=subprocess.STDOUT)
+            producer = subprocess.Popen(  # noqa: ASYNC220 - started, not waited for
+                argv, env=worker_env(bench.services.kafka, bench.owner_url, topic, "soak"), stdout=log,
+                stderr=subprocess.STDOUT)
         before = scrape(fleet.procs[0].worker.port)
         disk.start()
         cpu = CpuShares(fleet.procs[0].ps, psutil.Process(producer.pid))
@@ -522,8 +505,6 @@ async def measure_soak(bench: Bench, a: argparse.Namespace) -> str:
             now = scrape(fleet.procs[0].worker.port)
             per_minute.append(await minute_row(minute, fleet, (before, now), (disk.take(), cpu.take())))
             before = now
-            if producer.poll() is not None and minute >= a.minutes:
-                break
         if await asyncio.to_thread(producer.wait, 600) != 0:
             raise RuntimeError(f"the producer failed; see {bench.logs / 'producer.log'}")
         await fleet.wait_drained(await bench.end_offsets(topic), 300)
