@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -232,3 +234,20 @@ def test_every_make_command_of_the_development_table_is_a_target() -> None:
         done = subprocess.run(["make", "-n", *words[1:]], check=False, cwd=ROOT, capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0, f"{words}: {done.stderr}"
+
+
+def test_the_headline_command_is_the_bench_invocation_the_json_records() -> None:
+    """The headline's reproduce command parses as written, and it is the command the cited JSON recorded (the run
+    takes minutes and fetches Kafka Connect, so CI runs only its smoke test, tests/integration/test_bench_smoke.py)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"Reproduce:\n\n {4}(python scripts/bench\.py .+)\n", text)
+    assert command, "the headline's reproduce line"
+    words = shlex.split(command.group(1))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    bench = importlib.import_module("bench")  # a script, importable once scripts/ is on the path
+    args = bench.parser().parse_args(words[2:])
+    assert args.command == "peers"
+    evidence = re.search(r"JSON: `(docs/bench/[^`]+\.json)`", text)
+    assert evidence, "the headline names its JSON"
+    recorded = json.loads((ROOT / evidence.group(1)).read_text())["meta"]["command"]
+    assert recorded.split(" --out ")[0] == command.group(1)
