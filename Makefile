@@ -8,7 +8,7 @@ OWNER_URL = $(or $(DATABASE_URL),$(shell scripts/postgres.sh url))
 WORKER_URL = $(or $(DATABASE_URL),$(shell scripts/postgres.sh worker-url))
 PYTEST_ARGS ?=
 
-.PHONY: venv services migrate topic run verify test lint tools bench
+.PHONY: venv services schema-registry migrate topic run verify test lint tools bench release oci-registry
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ services:
 	@echo "== starting local Kafka and PostgreSQL (skipped for those configured by environment)"
 	scripts/kafka.sh start
 	scripts/postgres.sh start
+
+# Apicurio Registry for the declared formats (docs/formats.md): fetched from Maven Central once, then started.
+schema-registry:
+	scripts/schema-registry.sh start
 
 migrate: venv services
 	DATABASE_URL='$(OWNER_URL)' $(BIN)/stock-ledger migrate
@@ -41,18 +45,33 @@ verify: venv services
 tools:
 	scripts/tools.sh
 
+# ruff (style, and no function-local import), mypy (strict on src/), lint-imports (the layering: pyproject.toml).
 lint: venv
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts docs/bench/warehouse-signals
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
-test: venv services tools lint containers
+test: venv services schema-registry tools lint containers
 	@echo "== running the whole test suite against the real broker and database"
 	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-testcontainers
 
+# A release (scripts/release.sh): the wheel and sdist in $(DIST), the image localhost/stock-ledger:$(VERSION), the
+# packaged chart; with REGISTRY=host:port both are pushed there (PLAIN_HTTP=1 for an HTTP registry, such as the
+# one `make oci-registry` starts on 127.0.0.1:5000). VERSION must be pyproject.toml's, the chart's and CHANGELOG.md's.
+DIST ?= dist
+release: venv tools
+	$(if $(VERSION),,$(error VERSION is required: make release VERSION=x.y.z (scripts/release.sh bump x.y.z sets it)))
+	scripts/release.sh $(VERSION) --dist $(DIST) $(if $(REGISTRY),--registry $(REGISTRY)) \
+		$(if $(filter 1,$(PLAIN_HTTP)),--plain-http)
+
+# Debian's docker-registry (CNCF distribution) on 127.0.0.1:5000, plain HTTP: a real OCI registry for releases.
+oci-registry:
+	scripts/oci-registry.sh start
+
 bench: BENCH_ARGS ?= drain
 bench: venv services
-	$(PY) scripts/bench.py $(BENCH_ARGS)
+	$(PY) -m scripts.bench $(BENCH_ARGS)
 
 # --- Containers: the image, its lock, and the tests that run what we ship (scripts/containers.sh) ---
 UV_VERSION ?= 0.13.8

@@ -1,4 +1,4 @@
-// A load generator for scripts/bench.py soak and verify (scripts/benchmarks/soak.py), run as a single-file source with the project's Kafka jars:
+// A load generator for python -m scripts.bench soak and verify (scripts/benchmarks/soak.py), run as a single-file source with the project's Kafka jars:
 //   java -cp '<kafka libs>/*' scripts/FastProducer.java BOOTSTRAP TOPIC COUNT PARTITIONS [RATE | sparse]
 // Without RATE: COUNT tiny records round robin over PARTITIONS, as fast as possible (verify reads offsets only).
 // With RATE: COUNT valid movements (keyed by SKU) at a steady RATE per second, paced every millisecond; a Python

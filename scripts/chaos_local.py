@@ -20,6 +20,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,13 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling harness, run as a script
 try:
-    from localservices import free_port
-
-    from stock_ledger.clients import connect_database
+    from stock_ledger.clients.database import connect_database
     from stock_ledger.config import load_settings
-    from stock_ledger.sink import stored_offsets
+    from stock_ledger.ledger.offsets import stored_offsets
 except ImportError as exc:  # chaos.sh picked the python beside the CLI; say what to do instead of a traceback
     print(f"chaos.sh: --mode local needs stock_ledger importable by {sys.executable} ({exc}): run 'make venv', "
           "or pass --stock-ledger PATH of a stock-ledger installed in a venv", file=sys.stderr)
@@ -45,6 +43,12 @@ except ImportError as exc:  # chaos.sh picked the python beside the CLI; say wha
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 # A worker that dies with a configuration error (2), before the first all-Ready, or more often than this, would
 # only die again: that ends the drill.

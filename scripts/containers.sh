@@ -31,6 +31,11 @@ dockerfile_arg() {
     sed -n "s/^ARG $1=\\(.*\\)$/\\1/p" "$ROOT/Dockerfile" | head -n1
 }
 
+pyproject_value() {
+    # A top-level `key = "value"` of pyproject.toml: `version`, or `Source` of [project.urls].
+    sed -n "s/^$1 = \"\(.*\)\"\$/\1/p" "$ROOT/pyproject.toml" | head -n1
+}
+
 base_image() {
     printf 'docker.io/library/python:%s-slim-bookworm\n' "$(dockerfile_arg PYTHON_VERSION)"
 }
@@ -114,7 +119,7 @@ base() {
 standin() {
     # A minimal Debian bookworm with Debian's python3 (3.11.2, not the Dockerfile's pinned patch release) from the
     # machine's own apt sources, laid out like the official image where the Dockerfile relies on it: `python` on
-    # PATH, groupadd/useradd (passwd is in minbase), CA certificates for pip.
+    # PATH, groupadd/useradd (passwd is in minbase), CA certificates for pip; binutils for the build stage's strip.
     local work
     work="$(mktemp -d)"
     # shellcheck disable=SC2064 # expand now: the trap must remove this very directory
@@ -122,7 +127,7 @@ standin() {
     # Like the official slim image: no documentation, manual pages or translations.
     local sources=()
     [[ -f /etc/apt/sources.list.d/debian.sources ]] && sources=(/etc/apt/sources.list.d/debian.sources)
-    mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,python-is-python3,ca-certificates \
+    mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,python-is-python3,ca-certificates,binutils \
         --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
         --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
         bookworm "$work/rootfs.tar" "${sources[@]}"
@@ -140,7 +145,11 @@ image() {
     base
     local name revision
     name="$(base_image)"
-    revision="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    # The commit the image is built from; "-dirty" when tracked files differ from it.
+    revision="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+    if [[ "$revision" != unknown ]] && ! git -C "$ROOT" diff --quiet HEAD 2>/dev/null; then
+        revision+="-dirty"
+    fi
     log "building $IMAGE from $ROOT/Dockerfile (base $name)"
     # pip reaches the package index only with the host's CA bundle (TLS-intercepting proxies do this too): it is
     # mounted for the build's RUN steps only, so nothing of it ends up in a layer. --pull=never: the base is
@@ -149,7 +158,8 @@ image() {
     podman build --pull=never --layers -q \
         -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
         --build-arg "REVISION=$revision" \
-        --build-arg "VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n1)" \
+        --build-arg "VERSION=$(pyproject_value version)" \
+        --build-arg "SOURCE=$(pyproject_value Source)" \
         -t "$IMAGE" "$ROOT" >/dev/null
     log "built $IMAGE in $((SECONDS - started)) s: image $(image_size "$IMAGE"), venv $(venv_size "$IMAGE")"
 }

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the offline deploy-validation tooling used by tests/deploy:
 #   helm                 built from source through the Go module proxy into $STOCK_LEDGER_CACHE/bin
+#   toxiproxy-server     Shopify's TCP fault proxy (tests/chaos/test_network_faults.py), built the same way
 #   promtool, shellcheck Debian packages `prometheus` and `shellcheck` (needs root)
+#   zsh                  Debian package `zsh`: tests/unit/test_completion.py runs the completion script in it
 #   kubernetes-validate  PyPI package, into the project venv (bundles the Kubernetes JSON schemas)
 # Idempotent: a second run finds everything in place and returns in about a second.
 # No prebuilt binaries are downloaded: only package registries reach this machine and CI (so hadolint and the
@@ -13,6 +15,8 @@ HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 # Helm's release Makefile stamps the Kubernetes version of its client-go (v0.37.0 in v3.22.0) as the default for
 # Capabilities and lint deprecation checks; a plain `go install` would leave them at 1.20.
 HELM_KUBE_MINOR="${HELM_KUBE_MINOR:-37}"
+# The newest toxiproxy the Go module proxy serves (`go list -m -versions github.com/Shopify/toxiproxy/v2`).
+TOXIPROXY_VERSION="${TOXIPROXY_VERSION:-v2.12.0}"
 KUBERNETES_VALIDATE_VERSION="${KUBERNETES_VALIDATE_VERSION:-1.37.0}"
 PYYAML_VERSION="${PYYAML_VERSION:-6.0.3}"
 
@@ -50,12 +54,41 @@ install_helm() {
     log "helm $HELM_VERSION installed"
 }
 
+toxiproxy_installed_version() {
+    # The build below stamps the release (a plain `go install` reports "git"); prints e.g. "v2.12.0".
+    [[ -x "$BIN/toxiproxy-server" ]] || return 0
+    "$BIN/toxiproxy-server" -version 2>/dev/null | awk '{print $NF}' || true
+}
+
+install_toxiproxy() {
+    if [[ "$(toxiproxy_installed_version)" == "$TOXIPROXY_VERSION" ]]; then
+        log "toxiproxy-server $TOXIPROXY_VERSION already in $BIN"
+        return
+    fi
+    command -v go >/dev/null || die "go is required to build toxiproxy (install a Go toolchain first)"
+    mkdir -p "$BIN" "$CACHE"
+    log "building toxiproxy-server $TOXIPROXY_VERSION with go install (about 20 s on a warm Go cache)"
+    # `go install` names the binary after its package directory (cmd/server): build into a scratch GOBIN, then
+    # give it its own name. The -X stamp is the one toxiproxy's release build (goreleaser) sets.
+    local scratch
+    scratch="$(mktemp -d)"
+    (cd "$CACHE" && GOBIN="$scratch" GOFLAGS=-buildvcs=false CGO_ENABLED=0 \
+        go install -ldflags "-s -w -X github.com/Shopify/toxiproxy/v2.Version=$TOXIPROXY_VERSION" \
+        "github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION")
+    mv "$scratch/server" "$BIN/toxiproxy-server"
+    rmdir "$scratch"
+    [[ "$(toxiproxy_installed_version)" == "$TOXIPROXY_VERSION" ]] ||
+        die "toxiproxy build did not produce $BIN/toxiproxy-server $TOXIPROXY_VERSION"
+    log "toxiproxy-server $TOXIPROXY_VERSION installed"
+}
+
 install_debian_packages() {
     local missing=()
     command -v promtool >/dev/null || missing+=(prometheus)
     command -v shellcheck >/dev/null || missing+=(shellcheck)
+    command -v zsh >/dev/null || missing+=(zsh)
     if ((${#missing[@]} == 0)); then
-        log "promtool and shellcheck already installed"
+        log "promtool, shellcheck and zsh already installed"
         return
     fi
     [[ "$(id -u)" == 0 ]] || die "installing ${missing[*]} needs root: run this script as root (apt-get)"
@@ -68,6 +101,7 @@ install_debian_packages() {
         --no-install-recommends "${missing[@]}" >/dev/null
     command -v promtool >/dev/null || die "promtool missing after installing prometheus"
     command -v shellcheck >/dev/null || die "shellcheck missing after installing shellcheck"
+    command -v zsh >/dev/null || die "zsh missing after installing zsh"
 }
 
 install_python_packages() {
@@ -87,14 +121,17 @@ install_python_packages() {
 
 main() {
     install_helm
+    install_toxiproxy
     install_debian_packages
     install_python_packages
     log "tools ready:"
     log "  helm                $BIN/helm ($("$BIN/helm" version --short))"
     log "  promtool            $(command -v promtool)"
+    log "  toxiproxy-server    $BIN/toxiproxy-server ($(toxiproxy_installed_version))"
     log "  shellcheck          $(command -v shellcheck)"
+    log "  zsh                 $(command -v zsh)"
     log "  kubernetes-validate $VENV/bin/kubernetes-validate"
-    log "tests/deploy find helm through PATH or $BIN"
+    log "tests/deploy find helm, tests/chaos find toxiproxy-server, through PATH or $BIN"
 }
 
 main "$@"

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from scripts.localservices import WORKER_PASSWORD, ensure_worker_role, free_port, local_kafka, script
 
 from stock_ledger.migrate import migrate
-from tests.helpers import Env, Services, WorkerPool, scratch_database, scratch_topic
+from tests.support.helpers import Env, Services, WorkerPool, scratch_database, scratch_topic
+from tests.support.services import WORKER_PASSWORD, ensure_worker_role, free_port, local_kafka, script
 
 ROOT = Path(__file__).resolve().parents[1]
 

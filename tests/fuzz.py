@@ -9,7 +9,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from stock_ledger.batch import MAX_TIMESTAMP_MS, Record
+from stock_ledger.ledger.batch import MAX_TIMESTAMP_MS, Record
 
 KINDS = ("receipt", "return", "transfer_in", "pick", "transfer_out", "adjustment")
 FIELDS = ("movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at")

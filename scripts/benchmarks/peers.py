@@ -1,99 +1,51 @@
-"""peers: the worker against its limits, Kafka Connect + the Debezium JDBC sink and the naive loop, on the same rows.
-
-The peer is Kafka Connect (scripts/kafka.sh's version) standalone with the Debezium JDBC sink, resolved from Maven
-Central into ~/.cache/stock-ledger/connect-<version>/ on the first run (scripts/connect/: the poms, the templates).
-One broker, one database, one set of movements:
-
-1. side by side  N movements (24 partitions): raw consume and raw COPY (the limits, as `drain` measures them),
-                 `stock-ledger run` (one process, spawn to every stored offset at the log end), Connect in insert
-                 and in upsert mode (JVM start to N rows in the table), and the naive loop on a slice; --repeat:
-                 medians. The README's headline table.
-2. kill drill    --kills SIGKILLs at random moments while each system drains --drill-count movements (after the
-                 first rows of each incarnation landed), each followed by a restart; then rows vs distinct ids.
-
-The Debezium sink needs typed records, so the same movements (same seed, same keys) go to a second topic in
-JsonConverter's {"schema", "payload"} envelope (`connect_envelope`). The peer's table has the ledger's column types
-plus the Kafka coordinates (an InsertField transform) and no levels or quarantine: less work than the ledger.
-Skipped with a message (exit 0) where `java` or `mvn` is missing.
+"""peers: the worker against its limits, Kafka Connect with the Debezium JDBC sink (insert and upsert mode) and the
+naive loop, on the same N movements (medians of --repeat; the README's headline), then a kill drill: --kills
+SIGKILLs at random moments while each drains --drill-count movements, a restart after each; rows against distinct
+ids. Connect is resolved from Maven Central on the first run (scripts/connect/); skipped without `java` or `mvn`.
+How and why: docs/performance.md, "Beside Kafka Connect".
 """
 
-from __future__ import annotations
-
+import argparse
 import asyncio
-import contextlib
+import itertools
 import random
 import shutil
-import signal
 import string
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from pathlib import Path
+from typing import Any, Final
 from urllib.parse import urlsplit
 
+import asyncpg
 import msgspec
-from aiokafka import AIOKafkaProducer
-from benchkit import (
-    CACHE,
-    KAFKA_VERSION,
-    LEVEL_MISMATCHES,
-    ROOT,
-    Bench,
-    applied,
-    bar_svg,
-    check_alive,
-    median_of,
-    prefixed,
-    say,
-    table,
-    timed_until,
-)
-from localservices import WorkerProcess, free_port, start_worker, stop_workers, wait_until
+from scripts import benchkit as kit
+from scripts.benchmarks.drain import NAIVE_COUNT, limits, naive
+from tests.support.registry import send_with_headers
+from tests.support.services import WorkerProcess, free_port, start_worker, stop_workers, wait_until
 
-from benchmarks.drain import NAIVE_COUNT, limits, naive
 from stock_ledger.domain import Movement, parse
 from stock_ledger.produce import movements
 
-if TYPE_CHECKING:
-    import argparse
-    from collections.abc import Awaitable, Callable
-    from pathlib import Path
-
-    import asyncpg
-
 DEBEZIUM: Final = "io.debezium:debezium-connector-jdbc:3.6.0.Final:tar.gz:plugin"
-CONFIG: Final = ROOT / "scripts" / "connect"
-HOME: Final = CACHE / f"connect-{KAFKA_VERSION}"
+CONFIG: Final = kit.ROOT / "scripts" / "connect"
+HOME: Final = kit.CACHE / f"connect-{kit.KAFKA_VERSION}"
 MODES: Final = ("insert", "upsert")
 SEED: Final = 21
+RNG: Final = random.Random(SEED)  # the drill's kill moments: one run per process, reproducible from the seed
 # Debezium's logical names give the columns their types: uuid and timestamptz, like stock_movements.
-ENVELOPE_SCHEMA: Final = {
-    "type": "struct", "name": "warehouse.movement", "optional": False,
-    "fields": [
-        {"field": "movement_id", "type": "string", "optional": False, "name": "io.debezium.data.Uuid"},
-        {"field": "warehouse_id", "type": "string", "optional": False},
-        {"field": "sku", "type": "string", "optional": False},
-        {"field": "qty", "type": "int64", "optional": False},
-        {"field": "kind", "type": "string", "optional": False},
-        {"field": "occurred_at", "type": "string", "optional": False, "name": "io.debezium.time.ZonedTimestamp"},
-    ],
-}
-_TABLE: Final = """
-CREATE TABLE {name} (
-    movement_id uuid NOT NULL, warehouse_id text NOT NULL, sku text NOT NULL, qty bigint NOT NULL,
-    kind text NOT NULL, occurred_at timestamptz NOT NULL,
-    kafka_topic text, kafka_partition integer, kafka_offset bigint{pk})
-"""
-
-
-def register(add: Callable[..., argparse.ArgumentParser]) -> None:
-    p = add("peers", __doc__, measure)
-    p.add_argument("--count", type=int, default=200_000, help="movements for the side-by-side run (default 200,000)")
-    p.add_argument("--repeat", type=int, default=1, help="repeat the side-by-side run, report medians")
-    p.add_argument("--drill-count", type=int, default=50_000, help="movements for the kill drill (default 50,000)")
-    p.add_argument("--kills", type=int, default=5, help="SIGKILLs during each drill (default 5)")
-    p.add_argument("--skip-drill", action="store_true", help="only the side-by-side run")
+ENVELOPE_SCHEMA: Final = {"type": "struct", "name": "warehouse.movement", "optional": False, "fields": [
+    {"field": f, "type": t, "optional": False, **({"name": name} if name else {})} for f, t, name in (
+        ("movement_id", "string", "io.debezium.data.Uuid"), ("warehouse_id", "string", None),
+        ("sku", "string", None), ("qty", "int64", None), ("kind", "string", None),
+        ("occurred_at", "string", "io.debezium.time.ZonedTimestamp"))]}
+_TABLE: Final = """CREATE TABLE {name} (movement_id uuid NOT NULL, warehouse_id text NOT NULL, sku text NOT NULL,
+    qty bigint NOT NULL, kind text NOT NULL, occurred_at timestamptz NOT NULL, kafka_topic text,
+    kafka_partition integer, kafka_offset bigint{pk})"""
 
 
 def connect_envelope(m: Movement) -> bytes:
@@ -110,32 +62,25 @@ def fill(template: str, **values: str) -> str:
 
 def jdbc_url(postgres_url: str, database: str) -> tuple[str, str, str]:
     """(JDBC URL, user, password) for `database` on the server of a postgresql:// URL."""
-    parts = urlsplit(postgres_url)
-    host = parts.hostname or "127.0.0.1"
-    return f"jdbc:postgresql://{host}:{parts.port or 5432}/{database}", parts.username or "", parts.password or ""
-
-
-def _mvn(*args: str) -> None:
-    command = ["mvn", "-B", "-q", "-Dstyle.color=never", "-s", str(CONFIG / "settings.xml"), *args]
-    done = subprocess.run(command, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=1800,
-                          check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"Maven failed ({' '.join(command)}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}\n"
-                           "Check that Maven Central is reachable (https://repo.maven.apache.org/maven2).")
+    u = urlsplit(postgres_url)
+    url = f"jdbc:postgresql://{u.hostname or '127.0.0.1'}:{u.port or 5432}/{database}"
+    return url, u.username or "", u.password or ""
 
 
 def resolve_artifacts() -> tuple[Path, Path]:
     """The Connect worker's classpath and the plugin directory, from Maven Central into the cache (once)."""
+    def mvn(*args: str) -> None:  # quiet: only its errors, on stderr (a failure: is Maven Central reachable?)
+        subprocess.run(["mvn", "-B", "-q", "-Dstyle.color=never", "-s", str(CONFIG / "settings.xml"), *args],
+                       cwd=tempfile.gettempdir(), stdout=sys.stderr, timeout=1800, check=True)
+
     libs, plugins = HOME / "libs", HOME / "plugins"
     if not any(libs.glob("connect-runtime-*.jar")):
-        say(f"resolving Kafka Connect {KAFKA_VERSION} from Maven Central into {libs} (once, a few minutes)")
-        libs.mkdir(parents=True, exist_ok=True)
-        _mvn("-f", str(CONFIG / "pom.xml"), f"-Dkafka.version={KAFKA_VERSION}", "dependency:copy-dependencies",
-             "-DincludeScope=runtime", f"-DoutputDirectory={libs}")
+        kit.say(f"resolving Kafka Connect {kit.KAFKA_VERSION} from Maven Central into {libs} (once, a few minutes)")
+        mvn("-f", str(CONFIG / "pom.xml"), f"-Dkafka.version={kit.KAFKA_VERSION}", "dependency:copy-dependencies",
+            "-DincludeScope=runtime", f"-DoutputDirectory={libs}")
     if not (plugins / "debezium-connector-jdbc").is_dir():
-        say(f"resolving {DEBEZIUM} from Maven Central into {plugins}")
-        plugins.mkdir(parents=True, exist_ok=True)
-        _mvn("dependency:copy", f"-Dartifact={DEBEZIUM}", f"-DoutputDirectory={plugins}")
+        kit.say(f"resolving {DEBEZIUM} from Maven Central into {plugins}")
+        mvn("dependency:copy", f"-Dartifact={DEBEZIUM}", f"-DoutputDirectory={plugins}")
         for archive in plugins.glob("debezium-connector-jdbc-*.tar.gz"):
             subprocess.run(["tar", "-xzf", str(archive), "-C", str(plugins)], check=True, timeout=300)
     return libs, plugins
@@ -143,37 +88,30 @@ def resolve_artifacts() -> tuple[Path, Path]:
 
 @dataclass
 class Connect:
-    """One Kafka Connect standalone process running one JDBC sink connector into `table`."""
+    """Kafka Connect standalone running one JDBC sink connector into its own table, one process per `start`."""
 
-    bench: Bench
+    bench: kit.Bench
     classpath: tuple[Path, Path]
     topic: str
     mode: str
     label: str
-    popen: subprocess.Popen[bytes] | None = None
     incarnation: int = 0
 
-    @property
-    def table(self) -> str:
-        return f"connect_{self.label}".replace("-", "_")
-
-    @property
-    def state(self) -> Path:
-        return self.bench.logs / "connect" / self.label
+    def __post_init__(self) -> None:
+        self.table, self.state = f"connect_{self.label}".replace("-", "_"), self.bench.logs / "connect" / self.label
 
     async def create_table(self) -> None:
         async with self.bench.owner() as conn:
             await conn.execute(_TABLE.format(name=self.table, pk=", PRIMARY KEY (movement_id)"
                                              if self.mode == "upsert" else ""))
 
-    def start(self) -> None:
-        libs, plugins = self.classpath
+    def start(self) -> WorkerProcess:
+        (libs, plugins), upsert, port = self.classpath, self.mode == "upsert", free_port()
         self.state.mkdir(parents=True, exist_ok=True)
         url, user, password = jdbc_url(self.bench.services.admin_url, self.bench.database)
         worker, sink = self.state / "worker.properties", self.state / "sink.properties"
         worker.write_text(fill((CONFIG / "worker.properties").read_text(), bootstrap=self.bench.services.kafka,
-                               state=str(self.state), plugins=str(plugins), rest_port=str(free_port())))
-        upsert = self.mode == "upsert"
+                               state=str(self.state), plugins=str(plugins), rest_port=str(port)))
         sink.write_text(fill((CONFIG / "jdbc-sink.properties").read_text(), name=f"sl-{self.bench.run_id}-{self.label}",
                              topic=self.topic, jdbc_url=url, user=user, password=password, mode=self.mode,
                              pk_mode="record_value" if upsert else "none", pk_fields="movement_id" if upsert else "",
@@ -181,194 +119,121 @@ class Connect:
         self.incarnation += 1
         java = ["java", "-Xmx512m", f"-Dlog4j2.configurationFile={CONFIG / 'log4j2.properties'}",
                 "-cp", f"{libs}/*", "org.apache.kafka.connect.cli.ConnectStandalone", str(worker), str(sink)]
-        with (self.state / f"connect-{self.incarnation}.log").open("wb") as out:
-            self.popen = subprocess.Popen(java, stdout=out, stderr=subprocess.STDOUT)
-
-    def check_alive(self) -> None:
-        if self.popen is not None and self.popen.poll() is not None:
-            log = self.state / f"connect-{self.incarnation}.log"
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"Kafka Connect exited with {self.popen.returncode}; its log ({log}) ends:\n{tail}")
-
-    def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(30)
-
-    async def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(self.popen.wait, 30)
-            self.kill()
-
-    async def rows(self, conn: asyncpg.Connection) -> int:
-        return int(await conn.fetchval(f"SELECT count(*) FROM {self.table}"))
+        log = self.state / f"connect-{self.incarnation}.log"
+        with log.open("wb") as out:
+            return WorkerProcess(subprocess.Popen(java, stdout=out, stderr=subprocess.STDOUT), port, log, {})
 
     async def drain(self, count: int) -> dict[str, float]:
         """Time from JVM start until the table holds `count` rows."""
         await self.create_table()
         async with self.bench.owner() as conn:
-            started = time.perf_counter()
-            self.start()
+            started, jvm = time.perf_counter(), self.start()
             try:
-                first, done = await timed_until(lambda: self.rows(conn), count, self.bench.timeout,
-                                                f"connect {self.mode}", self.check_alive)
+                first, done = await kit.timed_until(lambda: rows(conn, self.table), count, kit.DRAIN_SECONDS,
+                                                    f"connect {self.mode}", lambda: kit.check_alive([jvm]))
             finally:
-                await self.stop()
+                await stop_workers([jvm], 30)
             n, distinct = await counts(conn, self.table)
         seconds, steady = done - started, done - first
-        say(f"  connect {self.mode}: {count:,} in {seconds:.1f}s ({count / seconds:,.0f}/s from JVM start, "
-            f"{count / steady:,.0f}/s from the first row); rows {n:,}, distinct {distinct:,}")
+        kit.say(f"  connect {self.mode}: {count / seconds:,.0f}/s from JVM start, rows {n:,}, distinct {distinct:,}")
         return {"seconds": seconds, "rate": count / seconds, "steady_rate": count / steady, "rows": float(n),
                 "distinct": float(distinct)}
 
 
+async def rows(conn: asyncpg.Connection, table: str) -> int:
+    return int(await conn.fetchval(f"SELECT count(*) FROM {table}"))
+
+
 async def counts(conn: asyncpg.Connection, table: str) -> tuple[int, int]:
-    [(rows, distinct)] = await conn.fetch(f"SELECT count(*), count(DISTINCT movement_id) FROM {table}")
-    return int(rows), int(distinct)
+    [(n, distinct)] = await conn.fetch(f"SELECT count(*), count(DISTINCT movement_id) FROM {table}")
+    return int(n), int(distinct)
 
 
-async def produce_envelopes(bench: Bench, topic: str, count: int, seed: int) -> float:
+async def produce_envelopes(bench: kit.Bench, topic: str, count: int, seed: int) -> None:
     """The same movements as `produce.produce(seed=seed)`, same keys, in the JsonConverter envelope."""
-    say(f"producing the same {count:,} movements in the JsonConverter envelope to {topic}")
-    producer = AIOKafkaProducer(bootstrap_servers=bench.services.kafka, enable_idempotence=True, acks="all",
-                                linger_ms=5, max_batch_size=512 * 1024)
-    await producer.start()
-    started = time.perf_counter()
-    try:
-        pending: list[asyncio.Future[object]] = []
-        for key, value in movements(count, seed=seed):
-            m = parse(key, value)
-            if not isinstance(m, Movement):
-                raise TypeError(f"the generator produced an invalid movement: {m}")
-            pending.append(await producer.send(topic, value=connect_envelope(m), key=key))
-            if len(pending) >= 2000:
-                await asyncio.gather(*pending)
-                pending.clear()
-        await producer.flush()
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
-    return time.perf_counter() - started
+    kit.say(f"producing the same {count:,} movements in the JsonConverter envelope to {topic}")
+    await send_with_headers(bench.services.kafka, topic, [
+        (key, connect_envelope(parse(key, value)), []) for key, value in movements(count, seed=seed)])
 
 
-async def kill_drill(  # noqa: PLR0913, PLR0917 - one drill, told apart by what it kills and how it counts
-    kills: int, pause: float, rng: random.Random, check: Callable[[], None], progress: Callable[[], Awaitable[int]],
-    done: Callable[[], Awaitable[bool]], restart: Callable[[], None],
-) -> int:
-    """Kill -9 and restart a system `kills` times, each at a random moment after its incarnation made progress,
-    then wait until `done`; the kills that landed before it finished."""
-    landed = 0
-    for _ in range(kills):
-        above = await progress()
-
-        async def moved(above: int = above) -> bool:
-            return await progress() > above
-
-        await wait_until(moved, 180, f"no progress within 180s (stuck at {above:,})", check=check, every=0.05)
-        await asyncio.sleep(rng.uniform(0.0, pause))
-        if await done():
-            break
-        restart()
-        landed += 1
-        say(f"  drill: kill -9 #{landed} at {await progress():,}")
-    await wait_until(done, 600, "not drained within 600s after the kills", check=check, every=0.5)
-    return landed
-
-
-async def drill_ours(bench: Bench, topic: str, count: int, kills: int, rng: random.Random) -> dict[str, Any]:
-    await bench.reset_ledger()
-    group, ends = f"bench-{bench.run_id}-drill", await bench.end_offsets(topic)
-    workers: list[WorkerProcess] = []
-
-    def restart() -> None:
-        if workers:
-            workers[-1].kill()
-        workers.append(start_worker(bench.worker_env(topic, group), bench.logs / f"drill-{len(workers)}.log"))
-
+async def drill(bench: kit.Bench, name: str, table: str, start: Callable[[], WorkerProcess],  # noqa: PLR0913, PLR0917
+                count: int, kills: int, pause: float) -> dict[str, Any]:
+    """Kill -9 and `start` again a system writing into `table` `kills` times, each at a random moment (within `pause`
+    s) after its incarnation wrote rows, until every movement is in and no row came for 5 s (Connect never ends)."""
+    ours, stable, landed = table == "stock_movements", {"rows": -1, "since": time.monotonic()}, 0
     async with bench.owner() as conn:
-        async def progress() -> int:
-            return await applied(conn, group, topic, ends)
-
-        async def drained() -> bool:
-            return await progress() >= count
-
-        restart()
-        try:  # a 50k drain takes about 1 s: kills within 0.25 s of progress
-            landed = await kill_drill(kills, 0.25, rng, lambda: check_alive(workers[-1:]), progress, drained, restart)
-        finally:
-            await stop_workers(workers[-1:], 30)
-        rows, distinct = await counts(conn, "stock_movements")
-        mismatches = await conn.fetchval(LEVEL_MISMATCHES)
-    say(f"  drill stock-ledger: {landed} kills, rows {rows:,} | distinct {distinct:,}, level mismatches {mismatches}")
-    return {"system": "stock-ledger", "kills": landed, "rows": rows, "distinct": distinct,
-            "duplicates": rows - distinct, "level_mismatches": int(mismatches)}
-
-
-async def drill_connect(peer: Connect, count: int, kills: int, rng: random.Random) -> dict[str, Any]:
-    await peer.create_table()
-    stable = {"rows": -1, "since": time.monotonic()}
-    async with peer.bench.owner() as conn:
-        async def drained() -> bool:  # every movement there and no new row for 5 s: Connect has no end of work
-            n, distinct = await counts(conn, peer.table)
+        async def settled() -> bool:
+            n, distinct = await counts(conn, table)
             if n != stable["rows"]:
                 stable.update(rows=n, since=time.monotonic())
             return distinct >= count and time.monotonic() - stable["since"] > 5
 
-        def restart() -> None:
-            peer.kill()
-            peer.start()
-
-        peer.start()
+        current = [start()]
         try:
-            landed = await kill_drill(kills, 2.0, rng, peer.check_alive, lambda: peer.rows(conn), drained, restart)
+            for _ in range(kills):
+                above = await rows(conn, table)
+
+                async def moved(above: int = above) -> bool:
+                    return await rows(conn, table) > above
+
+                await wait_until(moved, 180, f"no progress within 180s (stuck at {above:,})",
+                                 check=lambda: kit.check_alive(current), every=0.05)
+                await asyncio.sleep(RNG.uniform(0.0, pause))
+                # Ours is done once every movement is in; Connect only once nothing more comes (its replays).
+                if (await counts(conn, table))[1] >= count and (ours or await settled()):
+                    break
+                current[0].kill()
+                current[0], landed = start(), landed + 1
+                kit.say(f"  drill {name}: kill -9 #{landed} at {await rows(conn, table):,} rows")
+            await wait_until(settled, 600, "not drained within 600s after the kills",
+                             check=lambda: kit.check_alive(current), every=0.5)
         finally:
-            await peer.stop()
-        n, distinct = await counts(conn, peer.table)
-    say(f"  drill connect {peer.mode}: {landed} kills, rows {n:,} | distinct {distinct:,}")
-    return {"system": f"connect-{peer.mode}", "kills": landed, "rows": n, "distinct": distinct,
-            "duplicates": n - distinct}
+            await stop_workers(current, 30)
+        n, distinct = await counts(conn, table)
+        ledger = {"level_mismatches": int(await conn.fetchval(kit.MISMATCH_COUNT))} if ours else {}
+    kit.say(f"  drill {name}: {landed} kills, rows {n:,} | distinct {distinct:,} {ledger}")
+    return {"system": name, "kills": landed, "rows": n, "distinct": distinct, "duplicates": n - distinct, **ledger}
 
 
-async def measure(bench: Bench, a: argparse.Namespace) -> str:
-    missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
-    if missing:
-        return (f"peers skipped: {' and '.join(missing)} not found. Kafka Connect needs Java 17+ and Maven to "
-                "resolve it from Maven Central (Debian: apt-get install -y openjdk-17-jre-headless maven).")
-    classpath = await asyncio.to_thread(resolve_artifacts)
-    res = bench.results
-    res["meta"]["connect"] = {"kafka_connect": KAFKA_VERSION, "sink": DEBEZIUM}
+async def measure(bench: kit.Bench, a: argparse.Namespace) -> str:
+    if missing := [tool for tool in ("java", "mvn") if shutil.which(tool) is None]:
+        return f"peers skipped: {' and '.join(missing)} not found (Connect needs Java 17+, Maven resolves it)"
+    classpath, res = await asyncio.to_thread(resolve_artifacts), bench.results
+    res["meta"]["connect"] = {"kafka_connect": kit.KAFKA_VERSION, "sink": DEBEZIUM}
     await bench.create_database()
     ours, theirs = await bench.create_topic("ours"), await bench.create_topic("connect")
     res["produce"] = await bench.produce(ours, a.count, seed=SEED)
-    res["envelope_produce_seconds"] = await produce_envelopes(bench, theirs, a.count, SEED)
+    await produce_envelopes(bench, theirs, a.count, SEED)
     res["runs"] = runs = []
     for r in range(a.repeat):
-        say(f"=== repetition {r + 1}/{a.repeat}")
+        kit.say(f"=== repetition {r + 1}/{a.repeat}")
         run = await limits(bench, ours)
-        run |= prefixed("ours_", await bench.worker(ours, f"peer-{r}", 1, a.count))
+        run |= kit.prefixed("ours_", (await bench.worker(ours, f"peer-{r}")).result)
         for mode in MODES:
-            peer = Connect(bench, classpath, theirs, mode, f"{mode}-{r}")
-            run |= prefixed(f"connect_{mode}_", await peer.drain(a.count))
-        run |= await naive(bench, ours, min(NAIVE_COUNT, a.count))
-        runs.append(run)
-    m = res["median"] = median_of(runs)
+            run |= kit.prefixed(f"connect_{mode}_", await Connect(bench, classpath, theirs, mode, f"{mode}-{r}").drain(
+                a.count))
+        runs.append(run | await naive(bench, ours, min(NAIVE_COUNT, a.count)))
+    m = res["median"] = kit.median_of(runs)
     limit = min(m["raw_consume_rate"], m["raw_copy_rate"])
     res["ratios"] = {"ours_vs_limit": m["ours_rate"] / limit, "ours_vs_naive": m["ours_rate"] / m["naive_rate"],
                      **{f"ours_vs_connect_{x}": m["ours_rate"] / m[f"connect_{x}_rate"] for x in MODES}}
     res["drill"] = []
     if not a.skip_drill:
-        say(f"=== kill drill: {a.drill_count:,} movements, {a.kills} kill -9 each")
-        rng = random.Random(SEED)  # random moments, reproducible from the seed
+        kit.say(f"=== kill drill: {a.drill_count:,} movements, {a.kills} kill -9 each")
         ours_d, theirs_d = await bench.create_topic("drill-ours"), await bench.create_topic("drill-connect")
         await bench.produce(ours_d, a.drill_count, seed=SEED + 1)
         await produce_envelopes(bench, theirs_d, a.drill_count, SEED + 1)
-        res["drill"].append(await drill_ours(bench, ours_d, a.drill_count, a.kills, rng))
+        await bench.reset_ledger()
+        spawned = itertools.count(1)
+        # A 50k drain takes our worker about 1 s and Connect about 20: kills within 0.25 s and 2 s of progress.
+        res["drill"].append(await drill(bench, "stock-ledger", "stock_movements", lambda: start_worker(
+            bench.worker_env(ours_d, f"bench-{bench.run_id}-drill"), bench.logs / f"drill-{next(spawned)}.log"),
+            a.drill_count, a.kills, 0.25))
         for mode in MODES:
-            peer = Connect(bench, classpath, theirs_d, mode, f"drill-{mode}")
-            res["drill"].append(await drill_connect(peer, a.drill_count, a.kills, rng))
-    bench.charts[".svg"] = bar_svg(
+            await (peer := Connect(bench, classpath, theirs_d, mode, f"drill-{mode}")).create_table()
+            res["drill"].append(await drill(bench, f"connect-{mode}", peer.table, peer.start, a.drill_count, a.kills,
+                                            2.0))
+    bench.charts[".svg"] = kit.bar_svg(
         f"{a.count:,} movements, from process start (movements/s)",
         [("stock-ledger", m["ours_rate"]), *((f"Connect {x}", m[f"connect_{x}_rate"]) for x in MODES),
          ("naive", m["naive_rate"])], "same broker, same PostgreSQL, same movements",
@@ -385,13 +250,13 @@ def render(a: argparse.Namespace, res: dict[str, Any], limit: float) -> str:
                f"stock-ledger = {r[f'ours_vs_connect_{x}']:.1f} x") for x in MODES),
             (f"naive loop ({min(NAIVE_COUNT, a.count):,}; INSERT per record)", m["naive_rate"], "",
              f"stock-ledger = {r['ours_vs_naive']:.1f} x")]
-    out = [(f"stock-ledger vs its limits (min {limit:,.0f}/s), Kafka Connect {KAFKA_VERSION} + Debezium JDBC sink "
-            f"and the naive loop: N={a.count:,}, median of {a.repeat}"), "",
-           table(("system", "movements/s (process start)", "(first row)", "ratio"),
-                 ((n, f"{v:,.0f}", f"{s:,.0f}" if s else "", x) for n, v, s, x in rows))]
+    out = [(f"stock-ledger vs its limits (min {limit:,.0f}/s), Kafka Connect {kit.KAFKA_VERSION} + Debezium JDBC "
+            f"sink and the naive loop: N={a.count:,}, median of {a.repeat}"), "",
+           kit.table(("system", "movements/s (process start)", "(first row)", "ratio"),
+                     ((n, f"{v:,.0f}", f"{s:,.0f}" if s else "", x) for n, v, s, x in rows))]
     if res["drill"]:
         out += ["", f"kill drill ({a.drill_count:,} movements, kill -9 at random moments, restart):",
-                table(("system", "kills", "rows", "distinct", "duplicates"), ((
+                kit.table(("system", "kills", "rows", "distinct", "duplicates"), ((
                     d["system"], d["kills"], f"{d['rows']:,}", f"{d['distinct']:,}", f"{d['duplicates']:,}")
                     for d in res["drill"]))]
     return "\n".join(out)

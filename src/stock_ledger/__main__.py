@@ -1,5 +1,5 @@
 import sys
 
-from stock_ledger.cli import main
+from stock_ledger.entry import main
 
 sys.exit(main())

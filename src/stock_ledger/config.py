@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final, Literal, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from stock_ledger.errors import ConfigError
+from stock_ledger.mapping import MessageMapping, load_mapping
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 OffsetReset = Literal["earliest", "latest", "none"]
 LogFormat = Literal["auto", "json", "console"]
 OnGap = Literal["halt", "record"]
+# How DATABASE_URL's sessions are pooled: each connection a session of its own (directly, PgBouncer's session mode),
+# or server sessions shared between clients per transaction (PgBouncer's transaction mode): docs/pgbouncer.md.
+DatabasePooling = Literal["session", "transaction"]
 
 
 
@@ -116,7 +120,7 @@ def _read_secret_file(name: str, path: str) -> str:
 def _with_secret_files(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` with each secret read from its *_FILE variable (Kubernetes mounts secrets as files)."""
     merged = dict(environ)
-    for name in ("DATABASE_URL", "KAFKA_SASL_PASSWORD"):
+    for name in ("DATABASE_URL", "KAFKA_SASL_PASSWORD", "SCHEMA_REGISTRY_PASSWORD"):
         path = environ.get(f"{name}_FILE", "").strip()
         if not path:
             continue
@@ -128,8 +132,53 @@ def _with_secret_files(environ: Mapping[str, str]) -> dict[str, str]:
 
 def _verbatim_secrets(environ: Mapping[str, str]) -> dict[str, object]:
     """The SASL password exactly as given: unlike other values it is not stripped (it may end with a space)."""
-    password = environ.get("KAFKA_SASL_PASSWORD")
-    return {"kafka_sasl_password": password} if password else {}
+    names = {"KAFKA_SASL_PASSWORD": "kafka_sasl_password", "SCHEMA_REGISTRY_PASSWORD": "schema_registry_password"}
+    return {attr: environ[name] for name, attr in names.items() if environ.get(name)}
+
+
+def _load_mapping(environ: Mapping[str, str]) -> MessageMapping:
+    """STOCK_LEDGER_MAPPING, or the file STOCK_LEDGER_MAPPING_FILE names (a mounted ConfigMap); the contract's own
+    plain JSON when neither is set."""
+    inline, path = environ.get("STOCK_LEDGER_MAPPING", "").strip(), environ.get("STOCK_LEDGER_MAPPING_FILE", "").strip()
+    if inline and path:
+        raise ConfigError("both STOCK_LEDGER_MAPPING and STOCK_LEDGER_MAPPING_FILE are set: set only one")
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"STOCK_LEDGER_MAPPING_FILE={path!r} cannot be read: {exc}") from None
+        return load_mapping(text, f"STOCK_LEDGER_MAPPING_FILE ({path})")
+    return load_mapping(inline) if inline else MessageMapping()
+
+
+def _check_registry(s: Settings) -> None:
+    """A mapping that needs the registry has one; the registry's TLS and login settings hold together."""
+    m = s.mapping
+    if m.uses_registry and not s.schema_registry_url:
+        what = f"value {m.value!r}" if m.value != "json" else 'key "registry"'
+        raise ConfigError(f"STOCK_LEDGER_MAPPING declares {what}, read through a schema registry: set "
+                          "SCHEMA_REGISTRY_URL (e.g. http://registry:8081, or Apicurio's .../apis/ccompat/v7)")
+    url = s.schema_registry_url or ""
+    if url and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"SCHEMA_REGISTRY_URL={url!r} must start with http:// or https://")
+    files = {"SCHEMA_REGISTRY_SSL_CA_FILE": s.schema_registry_ssl_ca_file,
+             "SCHEMA_REGISTRY_SSL_CERT_FILE": s.schema_registry_ssl_cert_file,
+             "SCHEMA_REGISTRY_SSL_KEY_FILE": s.schema_registry_ssl_key_file}
+    if any(files.values()) and not url.startswith("https://"):
+        raise ConfigError("SCHEMA_REGISTRY_SSL_* is set but SCHEMA_REGISTRY_URL is not https://")
+    if bool(s.schema_registry_ssl_cert_file) != bool(s.schema_registry_ssl_key_file):
+        raise ConfigError("SCHEMA_REGISTRY_SSL_CERT_FILE and SCHEMA_REGISTRY_SSL_KEY_FILE go together: set both or "
+                          "neither")
+    for name, path in files.items():
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{name}={path!r} is not a readable file")
+    if bool(s.schema_registry_username) != bool(s.schema_registry_password):
+        raise ConfigError("SCHEMA_REGISTRY_USERNAME and SCHEMA_REGISTRY_PASSWORD (or _FILE) go together")
+    if 0 < s.retry_deadline_seconds <= s.schema_unknown_seconds and m.uses_registry:
+        raise ConfigError(
+            f"STOCK_LEDGER_SCHEMA_UNKNOWN_SECONDS={s.schema_unknown_seconds:g} must be shorter than "
+            f"STOCK_LEDGER_RETRY_DEADLINE_SECONDS={s.retry_deadline_seconds:g}: else the worker exits before it "
+            "quarantines a record whose schema id the registry does not know")
 
 
 def _check_security(s: Settings, environ: Mapping[str, str]) -> None:
@@ -197,12 +246,18 @@ class Settings:
     retry_deadline_seconds: float = 60.0
     lock_timeout_ms: int = 5_000
     idle_in_transaction_timeout_ms: int = 15_000
+    # How long the worker waits for PostgreSQL to answer a statement (client side: a blackholed network sends no
+    # error and no close, and neither the server's timeouts nor TCP keepalives through a proxy reach the client).
+    database_reply_timeout_ms: int = 30_000
     shutdown_grace_seconds: float = 8.0
     stall_seconds: float = 60.0
     position_refresh_seconds: float = 5.0
     invariant_refresh_seconds: float = 60.0
     # The full pass of the invariants (a scan of stock_movements); the checks in between cost what changed.
     invariant_full_scan_seconds: float = 21_600.0
+    # How often a running worker reads the topic's cleanup.policy (compaction switched on halts it): its own setting,
+    # as an invariant refresh of an hour (the advice for large ledgers) would leave compaction unseen that long.
+    compaction_check_seconds: float = 60.0
     log_level: str = "info"
     log_format: LogFormat = "auto"
     migrations_dir: str | None = None
@@ -222,6 +277,22 @@ class Settings:
     kafka_ssl_key_file: str | None = None
     kafka_ssl_check_hostname: bool = True
     database_sslmode_min: SslMode = "disable"
+    # Declared formats (docs/formats.md): the mapping, and the schema registry that registry formats are read from.
+    mapping: MessageMapping = field(default_factory=MessageMapping)
+    schema_registry_url: str | None = None
+    schema_registry_username: str | None = None
+    schema_registry_password: str | None = field(default=None, repr=False)
+    schema_registry_ssl_ca_file: str | None = None
+    schema_registry_ssl_cert_file: str | None = None
+    schema_registry_ssl_key_file: str | None = None
+    schema_registry_ssl_check_hostname: bool = True
+    schema_registry_timeout_ms: int = 5_000
+    schema_unknown_seconds: float = 30.0
+    database_pooling: DatabasePooling = "session"
+    # The NOLOGIN roles `migrate` grants the worker's and the readers' privileges to (docs/security.md): one pair per
+    # ledger where several ledgers share a PostgreSQL cluster (role names are cluster-wide).
+    app_role: str = "stock_ledger_app"
+    reader_role: str = "stock_ledger_reader"
 
     @property
     def database_url_masked(self) -> str | None:
@@ -238,6 +309,8 @@ class Settings:
         values = dataclasses.asdict(self)
         values["database_url"] = self.database_url_masked
         values["kafka_sasl_password"] = "***" if self.kafka_sasl_password else None
+        values["schema_registry_password"] = "***" if self.schema_registry_password else None
+        values["mapping"] = self.mapping.describe()
         return values
 
 
@@ -320,6 +393,18 @@ def _parse_topic(name: str, raw: str) -> str:
     return raw
 
 
+# Lower-case letters, digits and underscores: written the same as an identifier and inside a literal, so the name
+# `migrate` puts into a migration's SQL can never change what that SQL says (migrate.Roles).
+_ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _parse_role(name: str, raw: str) -> str:
+    if not _ROLE.match(raw):
+        raise ConfigError(f"{name}={raw!r} is not a role name stock-ledger accepts: 1 to 63 lower-case letters, "
+                          "digits and underscores, not starting with a digit")
+    return raw
+
+
 _TEXT = Parser("text, at most 1024 characters", _text)
 _FILE = Parser("a file path", _text)
 
@@ -380,6 +465,10 @@ VARIABLES: Final[tuple[Variable, ...]] = (
              "the blocking sessions of this group (zombies)"),
     Variable("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "idle_in_transaction_timeout_ms",
              _ints(1_000, 3_600_000), "the server ends a session frozen inside a transaction, freeing its locks"),
+    Variable("STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS", "database_reply_timeout_ms", _ints(1_000, 3_600_000),
+             "the worker gives up on a statement PostgreSQL leaves unanswered this long, drops the session and "
+             "retries on a new one (a network blackhole sends no error and closes nothing); must exceed "
+             "`STOCK_LEDGER_LOCK_TIMEOUT_MS`; keep it under `STOCK_LEDGER_STALL_SECONDS`"),
     Variable("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "shutdown_grace_seconds", _floats(0.1, 600),
              "bound on a graceful stop"),
     Variable("STOCK_LEDGER_STALL_SECONDS", "stall_seconds", _floats(1, 3_600),
@@ -388,13 +477,17 @@ VARIABLES: Final[tuple[Variable, ...]] = (
              "lag, drift and negative-stock metrics; on a quiet topic, how often the worker checks its session "
              "and the stored offsets (a failover or restore)"),
     Variable("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "invariant_refresh_seconds", _floats(0.1, 86_400),
-             "incremental ledger invariant checks, and the check that the topic is not compacted"),
+             "incremental ledger invariant checks"),
     Variable("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "invariant_full_scan_seconds", _floats(1, 2_592_000),
              "the full invariant pass (a scan of `stock_movements`)"),
+    Variable("STOCK_LEDGER_COMPACTION_CHECK_SECONDS", "compaction_check_seconds", _floats(0.1, 86_400),
+             "how often each worker reads the topic's `cleanup.policy`: compaction switched on while it runs "
+             "halts it (exit 1) within this long, before compaction deletes movements it has not applied"),
     Variable("STOCK_LEDGER_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"),
              "`debug` adds one line per committed batch"),
     Variable("STOCK_LEDGER_LOG_FORMAT", "log_format", _choice("auto", "json", "console"),
-             "`auto`: JSON off a terminal, console on one"),
+             "`auto`: JSON off a terminal, console on one. Logs go to stdout; a command given `--json` logs to stderr, "
+             "so its stdout is the document alone"),
     Variable("STOCK_LEDGER_MIGRATIONS_DIR", "migrations_dir", _FILE, "where `migrate` finds its SQL",
              "the repository's `migrations/` (the image: `/app/migrations`)"),
     Variable("STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS", "migrate_deadline_seconds", _floats(1, 86_400),
@@ -407,6 +500,16 @@ VARIABLES: Final[tuple[Variable, ...]] = (
     Variable("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", _choice(*SSLMODES),
              "weakest `sslmode` accepted; a URL without one counts as `prefer` (or `PGSSLMODE`); production: "
              "`verify-full`"),
+    Variable("STOCK_LEDGER_DATABASE_POOLING", "database_pooling", _choice("session", "transaction"),
+             "how `DATABASE_URL`'s sessions are pooled: `session` (directly, or PgBouncer's session mode; a pooler "
+             "sharing sessions is refused at start) or `transaction` (PgBouncer's transaction mode: settings per "
+             "transaction, the monitor lease in a table; `run` only): docs/pgbouncer.md"),
+    Variable("STOCK_LEDGER_APP_ROLE", "app_role", Parser("a role name: a-z 0-9 _, 1..63", _parse_role),
+             "`migrate` grants the worker's privileges to this NOLOGIN role (created if absent); give each ledger "
+             "of a shared cluster its own (docs/security.md); fixed once a ledger is migrated"),
+    Variable("STOCK_LEDGER_READER_ROLE", "reader_role", Parser("a role name: a-z 0-9 _, 1..63", _parse_role),
+             "`migrate` grants SELECT on every table to this NOLOGIN role (created if absent); one per ledger, "
+             "like `STOCK_LEDGER_APP_ROLE`"),
     Variable("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol",
              _upper("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), "how the worker talks to the brokers"),
     Variable("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism", _upper("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
@@ -424,7 +527,46 @@ VARIABLES: Final[tuple[Variable, ...]] = (
              "the client certificate's unencrypted key (PEM); with `KAFKA_SSL_CERT_FILE`"),
     Variable("KAFKA_SSL_CHECK_HOSTNAME", "kafka_ssl_check_hostname", Parser("true, false", _parse_bool),
              "verify that the broker's certificate names the host connected to"),
+    Variable("STOCK_LEDGER_MAPPING", None, Parser("a JSON object (docs/formats.md)", _text),
+             "the declared mapping: the value's and the key's format, field names, time and quantity forms, kind "
+             "values, header fields (docs/formats.md); validated at start", "plain JSON, the contract"),
+    Variable("STOCK_LEDGER_MAPPING_FILE", None, _FILE, "read the mapping from this file (a mounted ConfigMap); not "
+             "together with `STOCK_LEDGER_MAPPING`"),
+    Variable("SCHEMA_REGISTRY_URL", "schema_registry_url", _TEXT,
+             "a Confluent-compatible schema registry (Apicurio: `.../apis/ccompat/v7`); required by a mapping that "
+             "reads Avro, Protobuf, JSON Schema or a registry-framed key"),
+    Variable("SCHEMA_REGISTRY_USERNAME", "schema_registry_username", _TEXT, "basic auth to the registry; with "
+             "`SCHEMA_REGISTRY_PASSWORD`"),
+    Variable("SCHEMA_REGISTRY_PASSWORD", None, Parser("text, taken verbatim", _text),
+             "the registry's basic-auth password (or `SCHEMA_REGISTRY_PASSWORD_FILE`); never logged"),
+    Variable("SCHEMA_REGISTRY_PASSWORD_FILE", None, _FILE, "read the registry password from this file; not "
+             "together with `SCHEMA_REGISTRY_PASSWORD`"),
+    Variable("SCHEMA_REGISTRY_SSL_CA_FILE", "schema_registry_ssl_ca_file", _FILE,
+             "PEM bundle of the CA(s) that signed the registry's certificate (`https://` only)", "the system's CAs"),
+    Variable("SCHEMA_REGISTRY_SSL_CERT_FILE", "schema_registry_ssl_cert_file", _FILE,
+             "client certificate (PEM) for mutual TLS to the registry; with `SCHEMA_REGISTRY_SSL_KEY_FILE`"),
+    Variable("SCHEMA_REGISTRY_SSL_KEY_FILE", "schema_registry_ssl_key_file", _FILE,
+             "its unencrypted key (PEM); with `SCHEMA_REGISTRY_SSL_CERT_FILE`"),
+    Variable("SCHEMA_REGISTRY_SSL_CHECK_HOSTNAME", "schema_registry_ssl_check_hostname",
+             Parser("true, false", _parse_bool), "verify that the registry's certificate names its host"),
+    Variable("SCHEMA_REGISTRY_TIMEOUT_MS", "schema_registry_timeout_ms", _ints(100, 120_000),
+             "one request to the registry; a timeout is a transient fault (the records wait and are retried)"),
+    Variable("STOCK_LEDGER_SCHEMA_UNKNOWN_SECONDS", "schema_unknown_seconds", _floats(0, 3_600),
+             "a schema id the registry answers 404 for is retried this long (it may have been registered a moment "
+             "ago), then its records are quarantined as `unknown_schema`; shorter than the retry deadline"),
 )
+
+
+def check_worker_timeouts(settings: Settings) -> None:
+    """Refuse a reply timeout that would give up on a statement before the server's own lock timeout answers it:
+    every wait on a lock would end as a dropped session, and a claim would never wait long enough to end a zombie's
+    session (after half the lock timeout)."""
+    if settings.database_reply_timeout_ms <= settings.lock_timeout_ms:
+        raise ConfigError(
+            f"STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS ({settings.database_reply_timeout_ms}) must be greater than "
+            f"STOCK_LEDGER_LOCK_TIMEOUT_MS ({settings.lock_timeout_ms}): the worker would give up on a statement "
+            "waiting for a lock before the server's lock timeout answers it. Raise the first or lower the second"
+        )
 
 
 def load_settings(environ: Mapping[str, str]) -> Settings:
@@ -440,6 +582,7 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
         if v.attr is not None and raw is not None and raw.strip() != "":
             values[v.attr] = v.parse(v.name, raw.strip())
     values.update(_verbatim_secrets(environ))
+    values["mapping"] = _load_mapping(environ)
 
     settings = Settings(**values)  # type: ignore[arg-type]
     if settings.rebalance_timeout_ms < settings.session_timeout_ms:
@@ -447,5 +590,9 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
             "STOCK_LEDGER_REBALANCE_TIMEOUT_MS must be >= STOCK_LEDGER_SESSION_TIMEOUT_MS "
             f"({settings.rebalance_timeout_ms} < {settings.session_timeout_ms})"
         )
+    if settings.app_role == settings.reader_role:
+        raise ConfigError(f"STOCK_LEDGER_APP_ROLE and STOCK_LEDGER_READER_ROLE are both {settings.app_role!r}: the "
+                          "worker's role and the read-only role must differ")
     _check_security(settings, environ)
+    _check_registry(settings)
     return settings

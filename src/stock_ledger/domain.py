@@ -46,6 +46,12 @@ class RejectCode(enum.StrEnum):
     OUT_OF_RANGE = "out_of_range"
     # Set by the sink, never by `parse`: the last line of defence when PostgreSQL refuses a row the parser let pass.
     DATABASE_REJECTED = "database_rejected"
+    # Records in a declared format (formats/, docs/formats.md): bytes that are not that format or do not decode with
+    # their schema; a schema id the registry does not know (after STOCK_LEDGER_SCHEMA_UNKNOWN_SECONDS); a schema the
+    # ledger cannot read as the contract (the reason names the schema id and the field).
+    INVALID_ENCODING = "invalid_encoding"
+    UNKNOWN_SCHEMA = "unknown_schema"
+    INCOMPATIBLE_SCHEMA = "incompatible_schema"
 
 
 class Rejection(msgspec.Struct, frozen=True):
@@ -67,6 +73,16 @@ def parse(key: bytes | None, value: bytes | None) -> Movement | Rejection:
         return Rejection(RejectCode.INVALID_JSON, f"value is not a JSON object (starts with {value[:16]!r})")
     decoded = _decode(value)
     return decoded if isinstance(decoded, Rejection) else _check(key, decoded)
+
+
+def validate(key: bytes, fields: dict[str, object]) -> Movement | Rejection:
+    """The contract's rules on the fields a declared format produced (formats/): the same checks `parse` makes once
+    it has decoded JSON. `key` is the record's key as UTF-8 text (its declared format already undone). Pure."""
+    try:
+        movement = msgspec.convert(fields, Movement)
+    except msgspec.ValidationError as exc:
+        return Rejection(RejectCode.INVALID_FIELD, f"invalid movement: {exc} ({_CONTRACT})")
+    return _check(key, movement)
 
 
 def _decode(value: bytes) -> Movement | Rejection:

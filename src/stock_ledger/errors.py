@@ -12,16 +12,23 @@
     │                                in time, or someone moved it): claim again and re-apply from Kafka
     ├── LedgerIntegrityError         the ledger refused a write that would break it: fatal, loud
     │   └── CoordinateConflictError  the unique constraint on Kafka coordinates fired (the backstop)
+    ├── OperatorError                an operator command refused (one line on stderr: why, and what to do instead)
+    ├── RegistryUnavailableError     the schema registry did not answer (refused, timeout, 5xx): transient, retried
+    │   └── SchemaPendingError       a schema id the registry does not know yet: retried for a bounded time
     └── RetryDeadlineExceeded        a transient fault lasted longer than STOCK_LEDGER_RETRY_DEADLINE_SECONDS
 
-None of these is retried but DatabaseUnreachableError. Other transient database and broker faults are the
-libraries' own exceptions; `retry.transient_cause` classifies them and `retry.Retrier` is the one path that retries
-them.
+None of these is retried but DatabaseUnreachableError and RegistryUnavailableError. Other transient database and
+broker faults are the libraries' own exceptions; `worker.retry.transient_cause` classifies them and
+`worker.retry.Retrier` is the one path that retries them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 
 class StockLedgerError(Exception):
@@ -45,7 +52,7 @@ class DatabaseUnreachableError(StockLedgerError, OSError):
 
 
 class FencedError(StockLedgerError):
-    def __init__(self, partitions: dict[int, tuple[int, int | None]]) -> None:
+    def __init__(self, partitions: Mapping[int, tuple[int, int | None]]) -> None:
         # partition -> (the epoch we hold, the epoch the database holds)
         self.partitions = partitions
         detail = ", ".join(f"partition {p}: ours {ours}, stored {stored}" for p, (ours, stored) in partitions.items())
@@ -85,6 +92,24 @@ class OffsetMismatchError(StockLedgerError):
 
 class CoordinateConflictError(LedgerIntegrityError):
     pass
+
+
+class OperatorError(StockLedgerError):
+    """A refused operator command: the message says why and what to do instead."""
+
+
+class RegistryUnavailableError(StockLedgerError):
+    """The schema registry is down, slow or failing (refused, timeout, 5xx): the records wait, none is quarantined;
+    `worker.retry.transient_cause` calls it `schema_registry`."""
+
+
+class SchemaPendingError(RegistryUnavailableError):
+    """Schema ids the registry answered 404 for, within STOCK_LEDGER_SCHEMA_UNKNOWN_SECONDS of the first answer (a
+    producer may have registered them a moment ago): retried like an outage, then quarantined naming the id."""
+
+    def __init__(self, ids: list[int], message: str) -> None:
+        self.ids = ids
+        super().__init__(message)
 
 
 class RetryDeadlineExceeded(StockLedgerError):

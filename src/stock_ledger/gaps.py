@@ -5,16 +5,14 @@ topic was recreated or truncated). Offsets that read_committed skips (transactio
 holes: the consumer's position passes them without ever falling outside the log. A hole is never crossed silently:
 the worker halts the partition (STOCK_LEDGER_ON_GAP=halt) or records the range in `ledger_gaps` in the transaction
 that moves past it (`record`); `stock-ledger verify` fails while a recorded hole is unacknowledged, and
-`stock-ledger gaps ack` acknowledges one after stock was reconciled by hand.
+`stock-ledger gaps ack` acknowledges one after stock was reconciled by hand. The table's statements live in
+ledger/offsets.py; this module says what a hole is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
-
-if TYPE_CHECKING:
-    import asyncpg
+from typing import Final
 
 BELOW_LOG_START: Final = "below_log_start"
 BEYOND_LOG_END: Final = "beyond_log_end"
@@ -60,32 +58,3 @@ def find_gap(partition: int, stored: int, log_start: int, log_end: int) -> Gap |
     if stored > log_end:
         return Gap(partition, log_end, stored - 1, BEYOND_LOG_END)
     return None
-
-
-_LIST: Final = """
-SELECT id, group_id, topic, partition, first_offset, last_offset, last_offset - first_offset + 1 AS records,
-       reason, detected_at, acknowledged_at, acknowledged_by, note
-  FROM ledger_gaps WHERE ($1 OR acknowledged_at IS NULL) ORDER BY id
-"""
-_ACK: Final = """
-UPDATE ledger_gaps SET acknowledged_at = now(), acknowledged_by = current_user, note = $2
- WHERE id = $1 AND acknowledged_at IS NULL
-RETURNING id
-"""
-_UNACKNOWLEDGED: Final = """
-SELECT id, partition, first_offset, last_offset, reason FROM ledger_gaps
- WHERE acknowledged_at IS NULL AND group_id = $1 AND topic = $2 ORDER BY id
-"""
-
-
-async def list_gaps(conn: asyncpg.Connection, *, include_acknowledged: bool) -> list[dict[str, Any]]:
-    return [dict(r) for r in await conn.fetch(_LIST, include_acknowledged)]
-
-
-async def acknowledge(conn: asyncpg.Connection, gap_id: int, note: str) -> bool:
-    """True if the gap was open and is now acknowledged."""
-    return await conn.fetchval(_ACK, gap_id, note) is not None
-
-
-async def unacknowledged(conn: asyncpg.Connection, group_id: str, topic: str) -> list[asyncpg.Record]:
-    return list(await conn.fetch(_UNACKNOWLEDGED, group_id, topic))

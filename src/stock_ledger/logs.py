@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TextIO
 
 import structlog
 
@@ -154,9 +154,11 @@ class ClientLogSummary(logging.Filter):
 _summary: ClientLogSummary | None = None
 
 
-def configure(level: str = "info", fmt: str = "auto") -> None:
+def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    """Logs go to stdout (a pod's log), or to `stream`: stderr for a command whose stdout is a JSON document."""
     global _summary  # noqa: PLW0603 - one filter and one flusher thread per process, however often this runs
-    json_output = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
+    stream = sys.stdout if stream is None else stream
+    json_output = fmt == "json" or (fmt == "auto" and not stream.isatty())
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,  # topic, partition, epoch, batch offsets bound per batch
         structlog.stdlib.add_log_level,
@@ -178,7 +180,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=[
         structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer,
     ]))

@@ -8,7 +8,6 @@ import math
 import platform
 import threading
 import time
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Generic, Self, TypeVar, cast, overload
 
 from prometheus_client import (
@@ -25,20 +24,14 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from stock_ledger.domain import RejectCode
+from stock_ledger.versions import version_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 _P = "stock_ledger_"
-_RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race")
+_RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race", "schema_registry")
 _M = TypeVar("_M")
-
-
-def _version(dist: str) -> str:
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _first_within(now: float, bound: float) -> int:
@@ -56,7 +49,7 @@ def _first_within(now: float, bound: float) -> int:
 class BatchHistogram(Collector):
     """A histogram fed a batch at a time: one sort and a bisect per bucket. prometheus_client's Histogram takes a
     lock and walks its buckets in Python for every value: ~2 us a record, ~10% of the worker's throughput
-    (scripts/bench.py)."""
+    (`python -m scripts.bench`)."""
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
         self._name, self._doc = name, documentation
@@ -184,9 +177,19 @@ class Metrics:
         "Partitions whose stored offset was not where this worker left it, claimed again and re-applied from Kafka: "
         "behind (the database went back in time: a failover that lost commits, a restore) or ahead (moved by someone "
         "else).", ["direction"], preset=["behind", "ahead"])
+    coordinate_conflicts = _counter(
+        "coordinate_conflicts",
+        "Records of a batch whose coordinates the ledger already held although the offset guard let the batch "
+        "through (written outside it: a repair racing an offsets set, a tool, a partial restore): left as found, "
+        "not written again; the rest of the batch was applied.")
     rebalances = _counter("rebalances", "Partition assignments received from the group.")
     claims = _counter("partition_claims", "Partitions claimed in PostgreSQL.")
     retries = _counter("retries", "Retried operations by cause.", ["cause"], preset=_RETRY_CAUSES)
+    schema_requests = _counter(
+        "schema_registry_requests",
+        "Requests to the schema registry by outcome: fetched (one per schema id and process, never per record), "
+        "not_found (an id it does not know yet), error (down, timeout, 5xx: the records wait).", ["outcome"],
+        preset=["fetched", "not_found", "error"])
     # Input the ledger survives rather than stops on (issue 9).
     kafka_timestamps_out_of_range = _counter(
         "kafka_timestamps_out_of_range",
@@ -239,8 +242,8 @@ class Metrics:
                 for value in declared.preset:
                     metric.labels(value)
                 setattr(self, declared.attr, metric)
-        self.build_info.labels(_version("stock-ledger"), platform.python_version(), _version("aiokafka"),
-                               _version("asyncpg")).set(1)
+        self.build_info.labels(version_of("stock-ledger"), platform.python_version(), version_of("aiokafka"),
+                               version_of("asyncpg")).set(1)
         self._reset_leader_view()
 
     def lead(self, *, leading: bool) -> None:

@@ -2,6 +2,10 @@
 
 Patient where Kubernetes needs it (the database may come up after the Job), careful where the workers need it
 (DDL never queues behind a running batch for longer than lock_timeout).
+
+The migrations grant to two NOLOGIN roles, written in them by their default names; `migrate` writes the names
+STOCK_LEDGER_APP_ROLE and STOCK_LEDGER_READER_ROLE give in their place (`Roles`), so several ledgers on one
+cluster (where role names are global) can each have their own. A migration's checksum is still that of its file.
 """
 
 from __future__ import annotations
@@ -18,12 +22,10 @@ from typing import Final
 import asyncpg
 import structlog
 
-from stock_ledger import schemaguard
-from stock_ledger.clients import refused_startup_parameter
-from stock_ledger.dberrors import explain
+from stock_ledger.clients.database import migration_session, try_lock
+from stock_ledger.clients.dberrors import explain
 from stock_ledger.errors import (
     ConfigError,
-    ConnectionSecurityError,
     DatabaseError,
     LedgerIntegrityError,
     StockLedgerError,
@@ -32,7 +34,7 @@ from stock_ledger.errors import (
 log = structlog.get_logger(__name__)
 
 # Raise this when a migration is added: the worker refuses to run against an older schema.
-SCHEMA_VERSION: Final = 9
+SCHEMA_VERSION: Final = 13
 # pg_advisory_lock key: "stock-ledger migrate" as a stable 63-bit number.
 _LOCK_KEY: Final = int.from_bytes(hashlib.sha256(b"stock-ledger migrate").digest()[:8], "big") >> 1
 _FILE: Final = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
@@ -45,6 +47,37 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 )
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """The NOLOGIN roles the migrations grant to: `app` what a worker may do, `reader` SELECT on every table.
+
+    The migrations name them by their defaults, as identifiers (`GRANT ... TO stock_ledger_app`) and inside
+    literals (`rolname = 'stock_ledger_app'`); `apply` writes the configured names there: quoted as identifiers,
+    bare inside literals. The names are lower-case letters, digits and underscores (config._ROLE), so neither
+    spelling can change what the SQL around them says."""
+
+    app: str = "stock_ledger_app"
+    reader: str = "stock_ledger_reader"
+
+    def apply(self, sql: str) -> str:
+        """`sql` with the default role names replaced by these (unchanged where they are the defaults)."""
+        names = {DEFAULT_ROLES.app: self.app, DEFAULT_ROLES.reader: self.reader}
+
+        def replace(m: re.Match[str]) -> str:
+            name = names[m.group("name")]
+            if name == m.group("name"):
+                return m.group(0)
+            return f"'{name}'" if m.group("quote") else f'"{name}"'
+
+        return _ROLE_NAMES.sub(replace, sql)
+
+
+DEFAULT_ROLES: Final = Roles()
+# A default role name standing alone (not part of a longer identifier), perhaps inside a literal.
+_ROLE_NAMES: Final = re.compile(r"(?<![\w$'])(?P<quote>'?)(?P<name>stock_ledger_app|stock_ledger_reader)(?P=quote)"
+                                r"(?![\w$'])")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,48 +125,33 @@ class MigrateOptions:
 
 
 # Refused connections, a server still starting or shutting down, a name that does not resolve yet (a Service
-# whose pods are not up): wait. A wrong password or database name will not fix itself: fail at once.
-_DB_NOT_UP: Final = (OSError, asyncpg.CannotConnectNowError, asyncpg.PostgresConnectionError,
-                     asyncpg.TooManyConnectionsError)
+# whose pods are not up): wait (the session raises DatabaseUnreachableError, an OSError, for each of these). A wrong
+# password or database name will not fix itself: the session raises a fatal error at once.
+_DB_NOT_UP: Final = (OSError, asyncpg.PostgresConnectionError, asyncpg.TooManyConnectionsError)
 
 
 async def _connect(database_url: str, options: MigrateOptions, started: float) -> asyncpg.Connection:
     attempt = 0
     while True:
         try:
-            conn = await asyncpg.connect(database_url, timeout=10)
-        except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError) as exc:
-            problem = ConnectionSecurityError if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError) \
-                else DatabaseError
-            raise problem(explain(exc, database_url, "migrate")) from None
+            return await migration_session(database_url)
         except _DB_NOT_UP as exc:
-            refused = refused_startup_parameter(exc)
-            if refused is not None:
-                raise refused from None
             attempt += 1
             waited = time.monotonic() - started
+            cause = str(exc) if isinstance(exc, StockLedgerError) else (
+                explain(exc, database_url, "migrate") or f"{type(exc).__name__}: {exc}")
             if waited > options.deadline_seconds:
                 raise DatabaseError(
                     f"the database did not accept connections within {options.deadline_seconds:g}s "
-                    f"(STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS); last error: "
-                    f"{explain(exc, database_url, 'migrate') or f'{type(exc).__name__}: {exc}'}. "
+                    f"(STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS); last error: {cause}. "
                     "Check DATABASE_URL's host and port and that PostgreSQL is up"
                 ) from exc
             delay = _delay(attempt)
+            raw = exc.__cause__ or exc  # what the driver saw; the line that explains it comes once, at the end
             log.info("migration.waiting_for_database", attempt=attempt, waited_seconds=round(waited, 1),
                      deadline_seconds=options.deadline_seconds, retry_in_seconds=round(delay, 1),
-                     error=f"{type(exc).__name__}: {exc}")
+                     error=f"{type(raw).__name__}: {raw}")
             await asyncio.sleep(delay)
-            continue
-        try:
-            # Pinned search_path, and no migration runs objects a less-privileged role planted (schemaguard.py);
-            # that a role other than the owner may still CREATE in public is what 0009 fixes, so not refused here.
-            await schemaguard.pin(conn)
-            await schemaguard.check(conn, writers=False)
-        except BaseException:
-            await conn.close()
-            raise
-        return conn
 
 
 def _delay(attempt: int) -> float:
@@ -144,7 +162,7 @@ def _delay(attempt: int) -> float:
 async def _take_lock(conn: asyncpg.Connection, options: MigrateOptions, started: float) -> None:
     """The session-level advisory lock: a second pod waits (with progress) and then finds everything applied."""
     attempt = 0
-    while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", _LOCK_KEY):
+    while not await try_lock(conn, _LOCK_KEY):
         attempt += 1
         waited = time.monotonic() - started
         if waited > options.deadline_seconds:
@@ -159,7 +177,38 @@ async def _take_lock(conn: asyncpg.Connection, options: MigrateOptions, started:
         await asyncio.sleep(1)
 
 
-async def _apply_one(conn: asyncpg.Connection, m: Migration, options: MigrateOptions, started: float) -> None:
+# Who, besides the owner, holds a privilege on a table: whichever names its migration was applied with.
+_GRANTEES: Final = """
+SELECT a.privilege_type, pg_catalog.pg_get_userbyid(a.grantee) AS role
+  FROM pg_catalog.pg_class AS c, pg_catalog.aclexplode(c.relacl) AS a
+ WHERE c.oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass('public.consumer_offsets')
+   AND a.grantee OPERATOR(pg_catalog.<>) c.relowner
+"""
+
+
+async def _check_roles(conn: asyncpg.Connection, roles: Roles, applied: set[int]) -> None:
+    """Refuse role names other than those this database's ledger was migrated with (read from the grants 0002 and
+    0004 made): the next migration would grant to roles the older ones never did, and workers in either role would
+    lack part of what they need."""
+    if not applied & {2, 4}:
+        return
+    grants: dict[str, set[str]] = {}
+    for r in await conn.fetch(_GRANTEES):
+        grants.setdefault(r["privilege_type"], set()).add(r["role"])
+    for applied_in, privilege, name, variable in ((2, "INSERT", roles.app, "STOCK_LEDGER_APP_ROLE"),
+                                                  (4, "SELECT", roles.reader, "STOCK_LEDGER_READER_ROLE")):
+        holders = grants.get(privilege, set())
+        if applied_in in applied and name not in holders:
+            found = ", ".join(sorted(holders - ({roles.app} if privilege == "SELECT" else set()))) or "no role"
+            raise ConfigError(
+                f"{variable}={name}, but this database's ledger was migrated with other role names ({privilege} on "
+                f"consumer_offsets is granted to {found}): the names are fixed when a ledger is first migrated. Run "
+                f"`stock-ledger migrate` with {variable} set to the role this ledger uses (docs/security.md, "
+                '"Several ledgers on one cluster")')
+
+
+async def _apply_one(conn: asyncpg.Connection, m: Migration, options: MigrateOptions, started: float,
+                     roles: Roles) -> None:
     """One migration in one transaction, its DDL under lock_timeout and statement_timeout.
 
     DDL takes strong table locks. Waiting for one behind a worker's open batch transaction would queue every later
@@ -173,7 +222,7 @@ async def _apply_one(conn: asyncpg.Connection, m: Migration, options: MigrateOpt
             async with conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = {int(options.lock_timeout_ms)}")
                 await conn.execute(f"SET LOCAL statement_timeout = {int(options.statement_timeout_ms)}")
-                await conn.execute(m.sql)
+                await conn.execute(roles.apply(m.sql))
                 await conn.execute(
                     "INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
                     m.version, m.name, m.checksum,
@@ -195,11 +244,13 @@ async def _apply_one(conn: asyncpg.Connection, m: Migration, options: MigrateOpt
             return
 
 
-async def migrate(database_url: str, directory: Path, options: MigrateOptions | None = None) -> list[str]:
-    """Apply pending migrations; return the names applied. Each runs in its own transaction.
+async def migrate(database_url: str, directory: Path, options: MigrateOptions | None = None,
+                  roles: Roles = DEFAULT_ROLES) -> list[str]:
+    """Apply pending migrations, granting to `roles`; return the names applied. Each runs in its own transaction.
 
     Waits for the database (bounded by options.deadline_seconds), then for the migration lock, and retries a
-    migration whose DDL hit lock_timeout, logging a progress line for each wait.
+    migration whose DDL hit lock_timeout, logging a progress line for each wait. Refuses role names other than
+    those the database was migrated with.
     """
     options = options or MigrateOptions()
     migrations = load_migrations(directory)
@@ -211,6 +262,7 @@ async def migrate(database_url: str, directory: Path, options: MigrateOptions | 
         await conn.execute(_BOOKKEEPING)
         rows = await conn.fetch("SELECT version, checksum FROM schema_migrations")
         done = {r["version"]: r["checksum"] for r in rows}
+        await _check_roles(conn, roles, set(done))
         for m in migrations:
             if m.version in done:
                 if done[m.version] != m.checksum:
@@ -219,12 +271,13 @@ async def migrate(database_url: str, directory: Path, options: MigrateOptions | 
                     )
                 continue
             log.info("migration.apply", migration=m.name)
-            await _apply_one(conn, m, options, started)
+            await _apply_one(conn, m, options, started, roles)
             applied_now.append(m.name)
-        await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
+        await conn.execute("SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int8)", _LOCK_KEY)
     finally:
         await conn.close()
-    log.info("migration.done", applied=applied_now, schema_version=SCHEMA_VERSION)
+    log.info("migration.done", applied=applied_now, schema_version=SCHEMA_VERSION, app_role=roles.app,
+             reader_role=roles.reader)
     return applied_now
 
 

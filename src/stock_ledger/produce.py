@@ -7,15 +7,16 @@ import random
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
-from aiokafka import AIOKafkaProducer
-
+from stock_ledger.clients import kafka
 from stock_ledger.domain import Movement, encode
 from stock_ledger.progress import Progress
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Iterator
+
+    from stock_ledger.config import Settings
 
 _BASE: Final = datetime(2026, 1, 1, tzinfo=UTC)
 # (kind, weight, sign): picks dominate a warehouse's day; receipts keep stock positive on average.
@@ -45,19 +46,13 @@ def movements(count: int, skus: int = 1000, warehouses: int = 4, seed: int = 1) 
 
 
 async def produce(  # noqa: PLR0913 - the CLI's flags, one to one
-    bootstrap: str, topic: str, count: int, *, rate: float | None = None, skus: int = 1000, warehouses: int = 4,
-    seed: int = 1, show_progress: bool = True, options: Mapping[str, Any] | None = None,
+    settings: Settings, count: int, *, rate: float | None = None, skus: int = 1000, warehouses: int = 4,
+    seed: int = 1, show_progress: bool = True,
 ) -> int:
-    """Send `count` movements (at `rate` per second if given) with an idempotent producer; return the count."""
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap,
-        enable_idempotence=True,  # broker-side dedup of producer retries: no duplicate offsets from us
-        acks="all",
-        linger_ms=5,
-        max_batch_size=512 * 1024,
-        request_timeout_ms=30_000,
-        **(options or {}),  # security settings, clients.kafka_options
-    )
+    """Send `count` movements to the settings' topic (at `rate` per second if given) with an idempotent producer;
+    return the count."""
+    topic = settings.topic
+    producer = kafka.producer(settings)
     await producer.start()
     progress = Progress(f"produce {topic}", count) if show_progress else None
     pending: list[asyncio.Future[object]] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -19,10 +19,11 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 import pytest_asyncio
-from scripts.localservices import WORKER_PASSWORD, WORKER_ROLE, script
 
 from stock_ledger.migrate import migrate
-from tests.helpers import Env, Services, WorkerPool, scratch_database
+from tests.support.helpers import Env, Services, SteadyLoad, WorkerPool, scratch_database
+from tests.support.services import WORKER_PASSWORD, WORKER_ROLE, script
+from tests.support.toxiproxy import Proxy, Toxiproxy, find_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,3 +125,42 @@ def ha_workers(ha_services: Services, ha_database: Env, topic: str, tmp_path: Pa
     pool = WorkerPool(ha_services, ha_database, topic, group=f"stock-ledger-ha-{uuid.uuid4().hex[:8]}", logs=tmp_path)
     yield pool
     pool.kill_all()
+
+
+@pytest_asyncio.fixture
+async def steady() -> AsyncIterator[Callable[[str, str, int, int], SteadyLoad]]:
+    """SteadyLoad(kafka, topic, rate, seed) for a test; one the test did not finish is cancelled at its end."""
+    started: list[SteadyLoad] = []
+
+    def start(kafka: str, topic: str, rate: int, seed: int) -> SteadyLoad:
+        started.append(SteadyLoad(kafka, topic, rate, seed))
+        return started[-1]
+
+    yield start
+    for load in started:
+        await load.cancel()
+
+
+@pytest.fixture(scope="session")
+def toxiproxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Toxiproxy]:
+    """Shopify's toxiproxy (built by scripts/tools.sh), serving its API on a free port of 127.0.0.1."""
+    binary = find_server()
+    if binary is None:
+        pytest.fail("toxiproxy-server is not on PATH nor in ~/.cache/stock-ledger/bin: run scripts/tools.sh "
+                    "(make tools), which builds it from the Go module proxy", pytrace=False)
+    server = Toxiproxy(binary, tmp_path_factory.mktemp("toxiproxy") / "toxiproxy.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_proxy(services: Services, toxiproxy: Toxiproxy) -> Iterator[Proxy]:
+    """A proxy in front of the tests' PostgreSQL (the host and port of its URL, whichever way the services came),
+    with no toxic yet; deleted at the end. `proxy.route(url)` is a URL through it."""
+    upstream = urlsplit(services.admin_url).netloc.rpartition("@")[2]
+    if "," in upstream:
+        pytest.fail(f"the network-fault tests put one proxy in front of one PostgreSQL; DATABASE_URL names several "
+                    f"hosts ({upstream}): point it at one", pytrace=False)
+    proxy = toxiproxy.proxy(f"postgres-{uuid.uuid4().hex[:8]}", upstream)
+    yield proxy
+    toxiproxy.delete(proxy)

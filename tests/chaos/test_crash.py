@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, assert_atomic, assert_exact, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_atomic, assert_exact, wait_drained
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
 

@@ -10,20 +10,18 @@ the log end. Where the database went back in time, the workers must also say so
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import re
 from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
-import pytest_asyncio
 
 from stock_ledger.config import load_settings
-from stock_ledger.produce import produce
-from tests.helpers import (
+from tests.support.helpers import (
     Env,
     Services,
+    SteadyLoad,
     WorkerPool,
     assert_exact,
     end_offsets,
@@ -32,9 +30,10 @@ from tests.helpers import (
     stored_offsets,
     wait_drained,
 )
+from tests.support.services import produce
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import Callable
 
     from tests.chaos.conftest import Pair
 
@@ -72,54 +71,6 @@ async def print_holdings(services: Services, db: Env, topic: str, group: str, wh
     missing = s.produced - s.rows - s.rejected
     print(f"{what}: {s.produced} produced, {s.rows} applied, {s.rejected} rejected, {missing} in neither table, "
           f"{len(s.gaps)} partitions with a gap")
-
-
-class SteadyLoad:
-    """Movements at a steady rate, one second's worth at a time, until stopped: the fault happens under load however
-    long the steps before it take on a busy host (a fixed count at a fixed rate can run out first)."""
-
-    def __init__(self, kafka: str, topic: str, rate: int, seed: int) -> None:
-        self.kafka, self.topic, self.rate, self.seed = kafka, topic, rate, seed
-        self.sent = 0
-        self._stop = asyncio.Event()
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        chunk = 0
-        while not self._stop.is_set():
-            # A seed per chunk: the same seed would repeat movement_ids, which the ledger quarantines as resends.
-            self.sent += await produce(self.kafka, self.topic, self.rate, rate=self.rate,
-                                       seed=self.seed * 100_000 + chunk, show_progress=False)
-            chunk += 1
-
-    def running(self) -> bool:
-        return not self._task.done()
-
-    async def cancel(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-    async def finish(self, after: float) -> int:
-        """Keep producing `after` more seconds, then stop (after the chunk under way); the number sent."""
-        await asyncio.sleep(after)
-        self._stop.set()
-        await self._task
-        return self.sent
-
-
-@pytest_asyncio.fixture
-async def steady() -> AsyncIterator[Callable[[str, str, int, int], SteadyLoad]]:
-    """SteadyLoad(kafka, topic, rate, seed) for a test; one the test did not finish is cancelled at its end."""
-    started: list[SteadyLoad] = []
-
-    def start(kafka: str, topic: str, rate: int, seed: int) -> SteadyLoad:
-        started.append(SteadyLoad(kafka, topic, rate, seed))
-        return started[-1]
-
-    yield start
-    for load in started:
-        await load.cancel()
 
 
 def assert_never_restarted(pool: WorkerPool, count: int) -> None:

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from stock_ledger.produce import produce
-from tests.helpers import (
+from tests.support.helpers import (
     Env,
     Services,
     WorkerPool,
@@ -20,6 +19,7 @@ from tests.helpers import (
     process_state,
     wait_drained,
 )
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
 

@@ -27,10 +27,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
-from scripts.localservices import kafka_admin, script
 
-from stock_ledger.produce import produce
-from tests.helpers import (
+from tests.support.helpers import (
     Env,
     Services,
     WorkerPool,
@@ -40,12 +38,13 @@ from tests.helpers import (
     stored_offsets,
     wait_drained,
 )
+from tests.support.services import kafka_admin, produce, script
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
-    from scripts.localservices import WorkerProcess
+    from tests.support.services import WorkerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.asyncio]
 

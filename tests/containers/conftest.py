@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
-from scripts.localservices import WORKER_PASSWORD
 
-from tests.helpers import Env, Services, scratch_database, scratch_topic
+from tests.support.helpers import Env, Services, scratch_database, scratch_topic
+from tests.support.services import WORKER_PASSWORD
 
 from .support import Containers, require_image
 

@@ -47,6 +47,7 @@ class Containers:
 
     env: dict[str, str] = field(default_factory=dict)
     started: list[str] = field(default_factory=list)
+    image: str = IMAGE
 
     def run_args(self, name: str, env: dict[str, str], *, memory: str = "256m") -> list[str]:
         args = [
@@ -65,7 +66,7 @@ class Containers:
         """A subcommand run to completion in a fresh container; its output, or the failure with its logs."""
         name = f"sl-test-{uuid.uuid4().hex[:8]}"
         self.started.append(name)
-        done = podman("run", "--rm", *self.run_args(name, env or {}), IMAGE, *command, check=False,
+        done = podman("run", "--rm", *self.run_args(name, env or {}), self.image, *command, check=False,
                       timeout=timeout)
         output = f"{done.stderr[-3000:]}{done.stdout[-3000:]}"
         assert done.returncode == 0, f"`{' '.join(command)}` in the image exited {done.returncode}:\n{output}"
@@ -76,7 +77,7 @@ class Containers:
         name = name or f"sl-test-{uuid.uuid4().hex[:8]}"
         self.started.append(name)
         extra = ["--restart=always"] if restart else []
-        podman("run", "-d", *extra, *self.run_args(name, env or {}), IMAGE, *command)
+        podman("run", "-d", *extra, *self.run_args(name, env or {}), self.image, *command)
         return name
 
     def inspect(self, name: str) -> dict[str, Any]:

@@ -20,8 +20,8 @@ import asyncpg
 import pytest
 
 from stock_ledger.migrate import _LOCK_KEY
-from stock_ledger.produce import produce
-from tests.helpers import Env, Services, assert_atomic, assert_exact, eventually, free_port, wait_drained
+from tests.support.helpers import Env, Services, assert_atomic, assert_exact, eventually, free_port, wait_drained
+from tests.support.services import produce
 
 from .support import IMAGE, Containers, podman
 
@@ -186,7 +186,7 @@ async def test_three_force_kills_of_the_worker_container_lose_and_duplicate_noth
     1. `migrate` and `create-topic` run from the image;
     2. the worker container runs read-only as uid 10001 with 256 MiB, restart policy always (a crashed container
        comes back, as the kubelet would bring it back);
-    3. the image's `produce` writes 20,000 movements at 2,000/s;
+    3. the image's `produce` writes 20,000 movements at 500/s;
     4. three times, once the worker has applied more movements since it (re)started, its process is SIGKILLed
        from the host (a crash or the OOM killer, not a user stop) and the container restarts;
     5. after the drain `podman stop` exits 0 within the grace period, and the image's `verify --expect 20000`
@@ -198,7 +198,9 @@ async def test_three_force_kills_of_the_worker_container_lose_and_duplicate_noth
     worker = containers.start("run", restart=True, env={"DATABASE_URL": blank_database.worker_url,
                                                          "STOCK_LEDGER_METRICS_PORT": str(free_port())})
     pid = containers.wait_running(worker, 60)
-    producer = containers.start("produce", "--count", "20000", "--rate", "2000")
+    # 500/s: the 40 s of production outlast three restarts on a loaded machine, so every kill lands mid-stream (at
+    # 2,000/s a slow restart let the worker apply all 20,000 before the third wait, which then waited for nothing).
+    producer = containers.start("produce", "--count", "20000", "--rate", "500")
     for _ in range(3):
         before = await ledger_rows(blank_database)
 

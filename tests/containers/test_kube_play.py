@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from stock_ledger.produce import produce
-from tests.helpers import Env, Services, assert_exact, free_port, wait_drained
+from tests.support.helpers import Env, Services, assert_exact, free_port, wait_drained
+from tests.support.services import produce
 
 from .chart import one, render
 from .support import IMAGE, podman

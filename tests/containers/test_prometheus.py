@@ -2,8 +2,9 @@
 
 `promtool test rules` (tests/promtool) feeds the rules synthetic series; here Prometheus evaluates them against
 what the workers really export, with the labels a PodMonitor adds (namespace, pod, container, job
-`<namespace>/<podmonitor>`). The rules are the chart's rendered PrometheusRule with every `for:` and range window
-shortened (one minute -> one second); the expressions are otherwise the same, which the test checks.
+`<namespace>/<podmonitor>`, and the chart's podTargetLabels app_kubernetes_io_instance and app_kubernetes_io_name,
+which every rule selects its release by). The rules are the chart's rendered PrometheusRule with every `for:` and
+range window shortened (one minute -> one second); the expressions are otherwise the same, which the test checks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 import yaml
 from aiokafka import AIOKafkaProducer
 
-from tests.helpers import Env, Services, WorkerPool, WorkerProcess, free_port, movement
+from tests.support.helpers import Env, Services, WorkerPool, WorkerProcess, free_port, movement
 
 from .chart import NAMESPACE, RELEASE, ROOT, one, render
 
@@ -38,7 +39,7 @@ JOB = f"{NAMESPACE}/{RELEASE}-stock-ledger"  # the job label the Prometheus Oper
 SECONDS_PER_MINUTE = 1  # rules for the test: `for: 5m` -> 5s, `[10m]` -> 10s (scraped and evaluated every 1s)
 DURATION = re.compile(r"\b(\d+)m\b")
 # Labels every alert expression aggregates by or selects on, beside the metrics' own.
-TARGET_LABELS = ("namespace", "pod", "job", "instance")
+TARGET_LABELS = ("namespace", "pod", "job", "instance", "app_kubernetes_io_instance", "app_kubernetes_io_name")
 
 # The hole alert (StockLedgerLedgerHole...) comes with the hardening branch. When it lands, its scenario goes
 # HERE, as test_the_hole_alert_fires_on_a_retention_hole: STOCK_LEDGER_ON_GAP=record on the workers, a hole made
@@ -115,7 +116,8 @@ class Prometheus:
     def scrape(self, workers: list[tuple[str, WorkerProcess]]) -> None:
         """Scrape these workers (pod name, process), like a PodMonitor would, and reload."""
         configs = [{"targets": [f"127.0.0.1:{w.port}"],
-                    "labels": {"namespace": NAMESPACE, "pod": pod, "container": "stock-ledger"}}
+                    "labels": {"namespace": NAMESPACE, "pod": pod, "container": "stock-ledger",
+                               "app_kubernetes_io_instance": RELEASE, "app_kubernetes_io_name": "stock-ledger"}}
                    for pod, w in workers]
         self.config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ MIGRATION_SECRET = "stock-ledger-db-owner"  # noqa: S105 - the owner role's Secr
 REQUIRED = ("--set", f"database.existingSecret={SECRET}", "--set", f"database.migrationSecret={MIGRATION_SECRET}")
 
 Manifest = dict[str, Any]
+# The chart's appVersion (the release's version): the default image tag.
+APP_VERSION = re.search(r'^appVersion: "(.+)"$', (CHART / "Chart.yaml").read_text(), re.MULTILINE).group(1)  # type: ignore[union-attr]
 
 
 def tool_dirs() -> list[str]:
@@ -119,3 +122,20 @@ def restricted_v2_violations(manifest: Manifest) -> list[str]:
             found.append(f"{name}: seccomp {context.get('seccompProfile')}")
         found += [f"{name}: hostPort" for port in container.get("ports", []) if "hostPort" in port]
     return found
+
+
+def shipped_groups(namespace: str = NAMESPACE, release: str = RELEASE, runbook: str | None = None) -> list[Any]:
+    """files/prometheus-rules.yaml as the chart embeds it without overrides: {SCOPE} made this release's target
+    labels, every runbook_url absolute (`runbook`, else the chart's home at its version)."""
+    import yaml  # noqa: PLC0415 - the tests that need it fail clearly without it (conftest's yaml_module)
+
+    scope = (f'{{namespace="{namespace}",app_kubernetes_io_instance="{release}",'
+             f'app_kubernetes_io_name="stock-ledger"}}')
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    base = runbook or f"{chart['home']}/blob/v{chart['appVersion']}/docs/runbook.md"
+    text = (CHART / "files" / "prometheus-rules.yaml").read_text().replace("{SCOPE}", scope)
+    groups: list[Any] = yaml.safe_load(text)["groups"]
+    for group in groups:
+        for rule in group["rules"]:
+            rule["annotations"]["runbook_url"] = f"{base}#{rule['alert'].lower()}"
+    return groups

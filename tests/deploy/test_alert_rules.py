@@ -1,8 +1,12 @@
 """Offline checks of the Prometheus alert rules shipped in the Helm chart.
 
-- `promtool check rules` on helm/stock-ledger/files/prometheus-rules.yaml (syntax, PromQL, templates);
-- `promtool test rules` on tests/promtool/alerts_test.yaml (each alert fires on synthetic series, and stays
-  quiet where it must);
+- `promtool check rules` on the rules the chart renders from helm/stock-ledger/files/prometheus-rules.yaml
+  (syntax, PromQL, templates);
+- `promtool test rules` on tests/promtool/alerts_test.yaml against those rules, rendered for release `ledger` in
+  namespace `shop` (each alert fires on synthetic series, stays quiet where it must, and never on another
+  release's or namespace's series);
+- scope: every selector of every expression is the release's own ({SCOPE}), every aggregation keeps the namespace
+  and the release;
 - structure: every alert has a severity and templated summary/description annotations with a runbook hint;
 - every `stock_ledger_*` metric named in the rules (expressions and annotations) and in the synthetic
   series is one of the metrics fixed by the contract.
@@ -17,10 +21,17 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+
+from .support import CHART, REQUIRED
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .support import HelmResult
 
 pytestmark = pytest.mark.deploy
 
@@ -60,6 +71,7 @@ CONTRACT_COUNTERS = frozenset(
         "stock_ledger_partition_claims_total",
         "stock_ledger_retries_total",
         "stock_ledger_offset_mismatches_total",
+        "stock_ledger_coordinate_conflicts_total",
     }
 )
 CONTRACT_HISTOGRAMS = frozenset(
@@ -89,6 +101,22 @@ SEVERITIES = frozenset({"warning", "critical"})
 
 METRIC_RE = re.compile(r"\bstock_ledger_\w+")
 PROMTOOL_TIMEOUT_S = 120
+# What tests/promtool/alerts_test.yaml expects the rules to be rendered for.
+UNIT_TEST_RENDER = ("--namespace", "shop", "--set", "metrics.prometheusRule.enabled=true",
+                    "--set", "metrics.prometheusRule.runbookUrl=https://runbooks.example.com/stock-ledger.md")
+
+
+@pytest.fixture(scope="module")
+def rendered_rules(run_helm: Callable[..., HelmResult], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chart's PrometheusRule for release `ledger` in namespace `shop`, as a rule file (rules.yaml) beside a
+    copy of tests/promtool/alerts_test.yaml."""
+    result = run_helm("template", "ledger", str(CHART), *REQUIRED, *UNIT_TEST_RENDER,
+                      "--show-only", "templates/prometheusrule.yaml")
+    assert result.returncode == 0, result.stderr
+    directory = tmp_path_factory.mktemp("promtool")
+    (directory / "rules.yaml").write_text(yaml.safe_dump(yaml.safe_load(result.stdout)["spec"]))
+    shutil.copy(PROMTOOL_TESTS, directory / PROMTOOL_TESTS.name)
+    return directory / "rules.yaml"
 
 
 def _promtool() -> str:
@@ -136,17 +164,33 @@ def _unknown_metrics(text: str) -> set[str]:
     return {m for m in METRIC_RE.findall(text) if _contract_name(m) not in CONTRACT_METRICS}
 
 
-def test_promtool_check_rules() -> None:
-    result = _run_promtool("check", "rules", "--lint-fatal", str(RULES_FILE.relative_to(REPO_ROOT)))
+def test_promtool_check_rules(rendered_rules: Path) -> None:
+    result = _run_promtool("check", "rules", "--lint-fatal", str(rendered_rules))
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"promtool check rules failed (exit {result.returncode}):\n{output}"
 
 
-def test_promtool_unit_tests() -> None:
-    result = _run_promtool("test", "rules", str(PROMTOOL_TESTS.relative_to(REPO_ROOT)))
+def test_promtool_unit_tests(rendered_rules: Path) -> None:
+    result = _run_promtool("test", "rules", str(rendered_rules.parent / PROMTOOL_TESTS.name))
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"promtool test rules failed (exit {result.returncode}):\n{output}"
     assert "SUCCESS" in output, output
+
+
+def test_every_expression_judges_its_own_release_only() -> None:
+    """Every metric selected is {SCOPE}'d (the chart makes it this release's namespace, instance and name), and
+    every `by`/`on` keeps namespace and release: one release's alert never counts another's series."""
+    problems: list[str] = []
+    for rule in _alert_rules():
+        expr = rule["expr"]
+        problems += [f"{rule['alert']}: {m.group(0)} is not scoped" for m in
+                     re.finditer(r"\b(stock_ledger_\w+|up)\b(?!\{SCOPE\})(?=[\s{\[)])", expr)]
+        problems += [f"{rule['alert']}: {clause}" for clause in re.findall(r"\b(?:by|on) \([^)]*\)", expr)
+                     if not clause.split("(", 1)[1].startswith("namespace, app_kubernetes_io_instance")]
+        if "{SCOPE}" not in expr:
+            problems.append(f"{rule['alert']}: selects nothing of its own")
+    assert not problems, "\n".join(problems)
+    assert re.search(r"\b(stock_ledger_\w+|up)\b(?!\{SCOPE\})(?=[\s{\[)])", "max(up{job='x'})"), "the check must bite"
 
 
 def test_rule_file_is_a_plain_prometheus_rule_file() -> None:
@@ -221,8 +265,7 @@ def test_contract_name_mapping_for_histograms() -> None:
 
 def test_every_alert_has_firing_and_quiet_unit_tests() -> None:
     doc = _load_yaml(PROMTOOL_TESTS)
-    rule_files = [(PROMTOOL_TESTS.parent / p).resolve() for p in doc["rule_files"]]
-    assert RULES_FILE.resolve() in rule_files, f"{PROMTOOL_TESTS.name} does not load {RULES_FILE}"
+    assert doc["rule_files"] == ["rules.yaml"], f"{PROMTOOL_TESTS.name} must load the rendered rules (rules.yaml)"
 
     fires: set[str] = set()
     quiet: set[str] = set()
@@ -244,3 +287,32 @@ def test_every_alert_has_firing_and_quiet_unit_tests() -> None:
     names = {rule["alert"] for rule in _alert_rules()}
     assert not names - fires, f"alerts with no unit test where they fire: {sorted(names - fires)}"
     assert not names - quiet, f"alerts with no unit test where they must not fire: {sorted(names - quiet)}"
+
+
+@pytest.mark.parametrize("flags", [(), ("--set", "fullnameOverride=inventory-ledger"),
+                                   ("--set", "nameOverride=ledger-worker")], ids=["default", "fullname", "name"])
+@pytest.mark.parametrize("scraping", ["podMonitor", "serviceMonitor", "annotations"])
+def test_the_rules_select_the_labels_the_chart_puts_on_its_targets(
+    run_helm: Callable[..., HelmResult], flags: tuple[str, ...], scraping: str,
+) -> None:
+    """Whatever the names (fullnameOverride, nameOverride) and however Prometheus finds the pods, the rules'
+    matchers are the worker pods' own namespace, instance and name labels, and the scraping carries those labels:
+    the operator's monitors as podTargetLabels (sanitized to app_kubernetes_io_*), annotation scraping through the
+    pod labels themselves (the usual labelmap)."""
+    enable = () if scraping == "annotations" else ("--set", f"metrics.{scraping}.enabled=true")
+    result = run_helm("template", "ledger", str(CHART), "--namespace", "shop", *REQUIRED, *flags, *enable,
+                      "--set", "metrics.prometheusRule.enabled=true")
+    assert result.returncode == 0, result.stderr
+    manifests = [d for d in yaml.safe_load_all(result.stdout) if d]
+    [deployment] = [m for m in manifests if m["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["metadata"]
+    expected = (f'{{namespace="shop",app_kubernetes_io_instance="{pod["labels"]["app.kubernetes.io/instance"]}",'
+                f'app_kubernetes_io_name="{pod["labels"]["app.kubernetes.io/name"]}"}}')
+    [rule] = [m for m in manifests if m["kind"] == "PrometheusRule"]
+    exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
+    assert all(expected in expr for expr in exprs), (expected, exprs[0])
+    if scraping == "annotations":
+        assert pod["annotations"]["prometheus.io/scrape"] == "true"
+    else:
+        [monitor] = [m for m in manifests if m["kind"] == scraping[0].upper() + scraping[1:]]
+        assert monitor["spec"]["podTargetLabels"] == ["app.kubernetes.io/instance", "app.kubernetes.io/name"]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .support import (
+    APP_VERSION,
     CHART,
     KUBE_VERSION,
     MIGRATION_SECRET,
@@ -45,10 +46,18 @@ def workloads(rendered: Rendered) -> list[Manifest]:
     return [m for m in rendered.manifests if m["kind"] in POD_KINDS]
 
 
+# The sidecar and init container tests/deploy/values-all.yaml adds: the user's, not the chart's own.
+USER_CONTAINERS = {"proxy", "wait-for-proxy"}
+
+
 def containers(manifest: Manifest) -> list[dict[str, Any]]:
     spec = pod_spec(manifest)
     found: list[dict[str, Any]] = spec["containers"] + spec.get("initContainers", [])
     return found
+
+
+def own_containers(manifest: Manifest) -> list[dict[str, Any]]:
+    return [c for c in containers(manifest) if c["name"] not in USER_CONTAINERS]
 
 
 def worker(rendered: Rendered) -> dict[str, Any]:
@@ -161,7 +170,7 @@ class TestSecurityContext:
     def test_tmp_is_a_writable_empty_dir(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
             volumes = {v["name"]: v for v in pod_spec(manifest)["volumes"]}
-            for container in containers(manifest):
+            for container in own_containers(manifest):
                 mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
                 assert "/tmp" in mounts, f"{kn(manifest)}: no /tmp mount"  # noqa: S108 - the point of the test
                 assert "emptyDir" in volumes[mounts["/tmp"]], kn(manifest)  # noqa: S108
@@ -174,7 +183,7 @@ class TestSecurityContext:
 
     def test_resources_set(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
-            for container in containers(manifest):
+            for container in own_containers(manifest):
                 resources = container["resources"]
                 assert {"cpu", "memory"} <= resources["requests"].keys(), kn(manifest)
                 assert "memory" in resources["limits"], kn(manifest)
@@ -208,7 +217,7 @@ class TestWorkerContainer:
         assert worker(rendered)["args"] == ["run"]
 
     def test_image_reference(self, default_render: Rendered, all_render: Rendered) -> None:
-        assert worker(default_render)["image"] == "stock-ledger:0.1.0"
+        assert worker(default_render)["image"] == f"stock-ledger:{APP_VERSION}"
         assert worker(all_render)["image"].startswith(
             "registry.example.com:5000/inventory/stock-ledger@sha256:"
         )
@@ -219,7 +228,7 @@ class TestWorkerContainer:
         digest = "sha256:" + "ab" * 32
         drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db")
         for flags, expected in (
-            ((), "mirror.example.com:5000/stock-ledger:0.1.0"),
+            ((), f"mirror.example.com:5000/stock-ledger:{APP_VERSION}"),
             (("--set", f"image.digest={digest}"), f"mirror.example.com:5000/stock-ledger@{digest}"),
         ):
             rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com:5000", *flags)
@@ -248,7 +257,7 @@ class TestWorkerContainer:
 
     def test_no_database_url_in_plain_text(self, rendered: Rendered) -> None:
         for manifest in workloads(rendered):
-            for container in containers(manifest):
+            for container in own_containers(manifest):
                 env = env_by_name(container).get("DATABASE_URL")
                 if container["name"] == "ready":  # helm test's readiness check talks to the workers only
                     continue
@@ -296,8 +305,9 @@ class TestWorkerContainer:
 class TestMigrationJob:
     """Migrations run as a pre-install/pre-upgrade hook, as the owner role, before the workers start."""
 
-    def test_hook_annotations(self, rendered: Rendered) -> None:
-        annotations = rendered.one("Job", "-migrate")["metadata"]["annotations"]
+    def test_hook_annotations(self, default_render: Rendered) -> None:
+        """By default (migrations.mode hook; values-all uses the Argo CD Job, test_chart_argocd.py)."""
+        annotations = default_render.one("Job", "-migrate")["metadata"]["annotations"]
         assert set(annotations["helm.sh/hook"].split(",")) == {"pre-install", "pre-upgrade"}
         assert set(annotations["helm.sh/hook-delete-policy"].split(",")) == {
             "before-hook-creation",
@@ -411,7 +421,8 @@ class TestMonitoring:
     def test_dashboard_configmap(self, all_render: Rendered) -> None:
         configmap = all_render.one("ConfigMap", "-dashboard")
         assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-        assert configmap["metadata"]["annotations"] == {"grafana_folder": "Inventory"}
+        assert configmap["metadata"]["annotations"] == {"grafana_folder": "Inventory",
+                                                        "example.com/contact": "inventory-oncall"}
         shipped = json.loads((CHART / "files" / "dashboard.json").read_text())
         rendered = json.loads(configmap["data"]["stock-ledger.json"])
         assert rendered["panels"] == shipped["panels"]
@@ -503,7 +514,7 @@ class TestChaos:
         prepare = all_render.one("Job", "-chaos-prepare")
         for manifest in (workers, job, prepare):
             env = env_by_name(containers(manifest)[0])
-            assert env["STOCK_LEDGER_TOPIC"]["value"] == "warehouse.movements.chaos-drill-r1", kn(manifest)
+            assert env["STOCK_LEDGER_TOPIC"]["value"] == "warehouse.movements.chaos-drill", kn(manifest)
             assert env["STOCK_LEDGER_GROUP_ID"]["value"] == "stock-ledger-chaos-drill", kn(manifest)
             assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
                 "name": "stock-ledger-chaos-db", "key": "owner-url"}, kn(manifest)

@@ -30,9 +30,6 @@ def template(run_helm: Callable[..., HelmResult]) -> Callable[..., HelmResult]:
     ("flags", "expected"),
     [
         pytest.param(
-            (*REQUIRED, "--set", "replicaCount=25"), ["/replicaCount", "maximum", "24"], id="replicas-25"
-        ),
-        pytest.param(
             (*REQUIRED, "--set", "replicaCount=0"), ["/replicaCount", "minimum"], id="replicas-0"
         ),
         pytest.param((), ["/database", "existingSecret"], id="missing-secret"),
@@ -87,8 +84,25 @@ def test_grace_period_must_outlast_shutdown_grace(template: Callable[..., HelmRe
     assert "terminationGracePeriodSeconds 10 leaves too little room" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(("settings", "message"), [
+    (("config.lockTimeoutMs=30000",), "config.databaseReplyTimeoutMs 30000 must exceed config.lockTimeoutMs 30000"),
+    (("config.databaseReplyTimeoutMs=4000",),
+     "config.databaseReplyTimeoutMs 4000 must exceed config.lockTimeoutMs 5000"),
+    (("config.databaseReplyTimeoutMs=null", "config.lockTimeoutMs=40000"),
+     "config.databaseReplyTimeoutMs 30000 must exceed config.lockTimeoutMs 40000"),  # null: the worker's default
+])
+def test_reply_timeout_must_exceed_lock_timeout(template: Callable[..., HelmResult], settings: tuple[str, ...],
+                                                message: str) -> None:
+    """The worker refuses to start (exit 2) with a reply timeout not above the lock timeout: the chart says so at
+    install instead of a crash loop."""
+    result = template(*REQUIRED, *[arg for s in settings for arg in ("--set", s)])
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
 def test_bounds_are_accepted(template: Callable[..., HelmResult]) -> None:
-    """The extremes the schema allows do render: 1 and 24 replicas."""
+    """The extremes render: 1 replica, and one per partition (24 by default)."""
     for replicas in (1, 24):
         result = template(*REQUIRED, "--set", f"replicaCount={replicas}")
         assert result.returncode == 0, result.stderr
+    assert "replicaCount 25 exceeds kafka.partitions 24" in template(*REQUIRED, "--set", "replicaCount=25").stderr

@@ -1,4 +1,5 @@
-"""scripts/containers.sh and the local test images' scripts are shellcheck-clean; the script and the Makefile
+"""scripts/containers.sh, the release scripts (release.sh, oci-registry.sh), schema-registry.sh and the local test
+images' scripts are shellcheck-clean; the script and the Makefile
 agree with the Dockerfile and tests/conftest.py on names."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from .support import REPO, require_tool
 
 pytestmark = pytest.mark.deploy
 
-SCRIPTS = [REPO / "scripts" / "containers.sh", REPO / "scripts" / "images" / "kafka" / "run",
+SCRIPTS = [REPO / "scripts" / "containers.sh", REPO / "scripts" / "release.sh", REPO / "scripts" / "oci-registry.sh",
+           REPO / "scripts" / "schema-registry.sh",
+           REPO / "scripts" / "images" / "kafka" / "run",
            REPO / "scripts" / "images" / "postgres" / "docker-entrypoint.sh"]
 
 

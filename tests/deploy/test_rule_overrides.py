@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .support import CHART, REQUIRED, HelmResult, Rendered, require_tool
+from .support import CHART, REQUIRED, HelmResult, Rendered, require_tool, shipped_groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,17 +29,21 @@ def alerts(rendered: Rendered) -> list[dict[str, Any]]:
     return [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
 
 
-def shipped(yaml_module: Any) -> list[dict[str, Any]]:
-    doc = yaml_module.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
-    return [r for group in doc["groups"] for r in group["rules"] if "alert" in r]
+def shipped(_yaml_module: Any, runbook: str | None = None) -> list[dict[str, Any]]:
+    return [r for group in shipped_groups(runbook=runbook) for r in group["rules"] if "alert" in r]
 
 
-def test_defaults_embed_the_file_unchanged(render: Callable[..., Rendered], yaml_module: Any) -> None:
-    """Without overrides the rules are the file's, each linking its runbook section by the alert's name."""
+def test_defaults_embed_the_file_scoped(render: Callable[..., Rendered], yaml_module: Any) -> None:
+    """Without overrides the rules are the file's, scoped to the release, each linking its runbook section at the
+    chart's home and version, an absolute URL."""
     rules = alerts(render(*BASE))
     assert rules == shipped(yaml_module)
+    chart = yaml_module.safe_load((CHART / "Chart.yaml").read_text())
     for rule in rules:
-        assert rule["annotations"]["runbook_url"] == f"docs/runbook.md#{rule['alert'].lower()}"
+        assert rule["annotations"]["runbook_url"] == (
+            f"{chart['home']}/blob/v{chart['appVersion']}/docs/runbook.md#{rule['alert'].lower()}")
+        assert rule["annotations"]["runbook_url"].startswith("https://")
+        assert 'namespace="inventory",app_kubernetes_io_instance="ledger"' in rule["expr"]
 
 
 def test_overrides_apply(render: Callable[..., Rendered], tmp_path: Path, yaml_module: Any) -> None:
@@ -65,10 +69,8 @@ def test_overrides_apply(render: Callable[..., Rendered], tmp_path: Path, yaml_m
     assert len(rules) == len(shipped(yaml_module)) - 1
     assert all(r["annotations"]["runbook_url"] == f"{RUNBOOK}#{r['alert'].lower()}" for r in rules)
     others = [r for r in rules if r["alert"] != "StockLedgerLagHigh"]
-    assert others == [
-        {**r, "annotations": {**r["annotations"], "runbook_url": f"{RUNBOOK}#{r['alert'].lower()}"}}
-        for r in shipped(yaml_module) if r["alert"] not in {"StockLedgerLagHigh", "StockLedgerBatchFenced"}
-    ]
+    assert others == [r for r in shipped(yaml_module, RUNBOOK)
+                      if r["alert"] not in {"StockLedgerLagHigh", "StockLedgerBatchFenced"}]
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(yaml_module.safe_dump(rendered.one("PrometheusRule")["spec"]))
     checked = subprocess.run([require_tool("promtool"), "check", "rules", str(rules_file)], capture_output=True,

@@ -1,4 +1,4 @@
-"""`scripts/bench.py drain` keeps working: a short run on the real broker and database. Nothing about speed is
+"""`python -m scripts.bench drain` keeps working: a short run on the real broker and database. Nothing about speed is
 asserted."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Services
+from tests.support.helpers import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -26,13 +26,13 @@ def test_a_short_bench_run_exits_0_and_writes_every_measurement(services: Servic
     env = {k: v for k, v in os.environ.items() if not k.startswith("STOCK_LEDGER_")}
     env |= {"KAFKA_BOOTSTRAP_SERVERS": services.kafka, "DATABASE_URL": services.admin_url}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "drain", "--count", "20000", "--naive-count", "2000",
+        [sys.executable, "-m", "scripts.bench", "drain", "--count", "20000", "--naive-count", "2000",
          "--latency-seconds", "3", "--latency-rate", "2000", "--batch-sizes", "1000,5000", "--svg", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=220, check=False,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=220, check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     assert "targets:" in done.stdout
-    command = "python scripts/bench.py drain --count 20000 --naive-count 2000 --latency-seconds 3"
+    command = "python -m scripts.bench drain --count 20000 --naive-count 2000 --latency-seconds 3"
     assert done.stdout.startswith(f"$ {command}")  # the command that reproduces the table, beside it
     assert "raw consume" in done.stderr  # progress goes to stderr
 

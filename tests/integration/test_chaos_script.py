@@ -22,7 +22,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from tests.helpers import Env, Services
+from tests.support.helpers import Env, Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 

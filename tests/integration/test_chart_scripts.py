@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tests.helpers import Services, WorkerPool, eventually
+from tests.support.helpers import Services, WorkerPool, end_offsets, eventually, send_raw
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -50,16 +50,17 @@ class TestChaosPrepare:
     """The drill's step 2: its own database and topic, fresh on every run; never a database not named 'chaos'."""
 
     async def test_recreates_the_drill_database_and_topic(self, services: Services) -> None:
+        """The topic has one name at every render (Argo CD); each run deletes it and creates it empty, so a drill
+        never reads the records of the one before. The per-revision topics of older charts are deleted too."""
         run = uuid.uuid4().hex[:8]
-        database, prefix = f"sl_test_chaos_{run}", f"warehouse.movements.chaos-drill-{run}"
+        database, topic = f"sl_test_chaos_{run}", f"warehouse.movements.chaos-drill-{run}"
         url = services.url_for(database)
-        env = {"DATABASE_URL": url, "KAFKA_BOOTSTRAP_SERVERS": services.kafka, "STOCK_LEDGER_TOPIC": f"{prefix}-r2",
-               "CHAOS_TOPIC_PREFIX": prefix, "CHAOS_PARTITIONS": "3", "CHAOS_REPLICATION_FACTOR": "1",
-               "STOCK_LEDGER_LOG_FORMAT": "json"}
+        env = {"DATABASE_URL": url, "KAFKA_BOOTSTRAP_SERVERS": services.kafka, "STOCK_LEDGER_TOPIC": topic,
+               "CHAOS_PARTITIONS": "3", "CHAOS_REPLICATION_FACTOR": "1", "STOCK_LEDGER_LOG_FORMAT": "json"}
         admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(f"{prefix}-r1", 1, 1)])  # the previous drill's topic
+            await admin.create_topics([NewTopic(f"{topic}-r1", 1, 1)])  # a drill topic of a chart before 0.2.0
             first = await run_file("chaos-prepare.py", env)
             assert first.returncode == 0, first.stdout + first.stderr
             conn = await asyncpg.connect(url)
@@ -69,10 +70,11 @@ class TestChaosPrepare:
             finally:
                 await conn.close()
             topics = set(await admin.list_topics())
-            assert f"{prefix}-r2" in topics
-            assert f"{prefix}-r1" not in topics
-            described = await admin.describe_topics([f"{prefix}-r2"])
+            assert topic in topics
+            assert f"{topic}-r1" not in topics
+            described = await admin.describe_topics([topic])
             assert len(described[0]["partitions"]) == 3
+            assert await send_raw(services.kafka, topic, [(b"SKU-1", b"{}")] * 5) == 5  # this drill's records
 
             again = await run_file("chaos-prepare.py", env)
             assert again.returncode == 0, again.stdout + again.stderr
@@ -81,8 +83,9 @@ class TestChaosPrepare:
                 assert await conn.fetchval("SELECT count(*) FROM stock_levels") == 0, "the drill must start empty"
             finally:
                 await conn.close()
+            assert await end_offsets(services.kafka, topic) == dict.fromkeys(range(3), 0), "the topic must start empty"
         finally:
-            await admin.delete_topics([t for t in await admin.list_topics() if t.startswith(prefix)])
+            await admin.delete_topics([t for t in await admin.list_topics() if t.startswith(topic)])
             await admin.close()
             conn = await asyncpg.connect(services.admin_url)
             try:
@@ -93,7 +96,7 @@ class TestChaosPrepare:
     async def test_refuses_a_database_that_is_not_the_drills(self, services: Services) -> None:
         """A wrong Secret must not drop the production ledger: the name has to contain 'chaos'."""
         env = {"DATABASE_URL": services.url_for("stock_ledger"), "KAFKA_BOOTSTRAP_SERVERS": services.kafka,
-               "STOCK_LEDGER_TOPIC": "x-r1", "CHAOS_TOPIC_PREFIX": "x", "CHAOS_PARTITIONS": "1",
+               "STOCK_LEDGER_TOPIC": "x", "CHAOS_PARTITIONS": "1",
                "CHAOS_REPLICATION_FACTOR": "1"}
         refused = await run_file("chaos-prepare.py", env)
         assert refused.returncode == 1

@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import Env, Services, WorkerPool, assert_exact, movement, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, movement, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 PRODUCER = ROOT / "tests" / "java" / "Producer.java"

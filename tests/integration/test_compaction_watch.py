@@ -8,19 +8,24 @@ from typing import TYPE_CHECKING
 
 import pytest
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from scripts.localservices import free_port, kafka_admin
 from structlog.testing import capture_logs
 
+from stock_ledger.config import Settings, load_settings
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.topics import watch_compaction
-from tests.helpers import scratch_topic
+from tests.support.helpers import scratch_topic
+from tests.support.services import free_port, kafka_admin
 
 if TYPE_CHECKING:
-    from tests.helpers import Services
+    from tests.support.helpers import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 INTERVAL = 1.0
+
+
+def _settings(kafka: str, topic: str) -> Settings:
+    return load_settings({"KAFKA_BOOTSTRAP_SERVERS": kafka, "STOCK_LEDGER_TOPIC": topic})
 
 
 async def test_compaction_switched_on_while_watching_raises_within_the_interval(services: Services) -> None:
@@ -28,7 +33,7 @@ async def test_compaction_switched_on_while_watching_raises_within_the_interval(
     policy is altered to compact (as an operator would, with the admin API): the watcher raises StockLedgerError,
     naming the topic, the policy and the fix, within one interval (plus the read itself)."""
     async with scratch_topic(services, partitions=3, configs={"cleanup.policy": "delete"}) as topic:
-        watch = asyncio.create_task(watch_compaction(services.kafka, topic, interval_seconds=INTERVAL))
+        watch = asyncio.create_task(watch_compaction(_settings(services.kafka, topic), INTERVAL))
         try:
             await asyncio.sleep(3 * INTERVAL)
             assert not watch.done()
@@ -50,8 +55,8 @@ async def test_an_unreachable_broker_is_logged_and_retried_not_fatal(services: S
     topic.policy_check_failed and retried; the watcher never raises for it (a failed read says nothing about the
     policy), and cancelling it stops it."""
     with capture_logs() as logs:
-        watch = asyncio.create_task(watch_compaction(f"127.0.0.1:{free_port()}", "warehouse.movements",
-                                                     options={"request_timeout_ms": 1000}, interval_seconds=0.2))
+        watch = asyncio.create_task(watch_compaction(_settings(f"127.0.0.1:{free_port()}", "warehouse.movements"),
+                                                     0.2))
         try:
             deadline = time.monotonic() + 20
             while sum(e["event"] == "topic.policy_check_failed" for e in logs) < 2 and time.monotonic() < deadline:

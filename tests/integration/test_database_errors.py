@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from tests.helpers import Env, Services, free_port
+from tests.support.helpers import Env, Services, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(300)]
 

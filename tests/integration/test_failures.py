@@ -13,7 +13,7 @@ import uuid
 import pytest
 from aiokafka.admin import NewTopic
 
-from tests.helpers import Env, Services, WorkerPool, kafka_admin
+from tests.support.helpers import Env, Services, WorkerPool, kafka_admin
 
 pytestmark = [pytest.mark.integration]
 

@@ -8,12 +8,12 @@ import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from stock_ledger.batch import Record, build_batch
 from stock_ledger.domain import Movement, Rejection, parse
 from stock_ledger.faults import Faults
-from stock_ledger.sink import Ledger
+from stock_ledger.ledger.batch import Record, build_batch
+from stock_ledger.ledger.transaction import Ledger
 from tests.fuzz import batches, new_topic
-from tests.helpers import FROM_ZERO, Env
+from tests.support.helpers import FROM_ZERO, Env, claims_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -34,7 +34,8 @@ async def test_every_record_lands_in_exactly_one_table_and_the_batch_commits(
     conn = await asyncpg.connect(database.worker_url)
     try:
         ledger = Ledger("fuzz", Faults(None))
-        claims = {c.partition: c.epoch for c in await ledger.claim(conn, topic, records, None, None, reset=FROM_ZERO)}
+        claimed = await claims_of(ledger).claim(conn, topic, records, None, None, reset=FROM_ZERO)
+        claims = {c.partition: c.epoch for c in claimed}
         outcome = await ledger.apply(conn, build_batch(topic, records, claims))
         applied = {(r[0], r[1]) for r in await conn.fetch(
             "SELECT kafka_partition, kafka_offset FROM stock_movements WHERE kafka_topic = $1", topic)}

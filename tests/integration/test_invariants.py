@@ -16,20 +16,24 @@ import asyncpg
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin.records_to_delete import RecordsToDelete
+from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
+from stock_ledger.audit.compare import TopicRecords
+from stock_ledger.audit.invariants import Invariants
+from stock_ledger.cli.rejected import replay as rejected_replay
 from stock_ledger.config import Settings
-from stock_ledger.invariants import Invariants, KafkaRecords
 from stock_ledger.metrics import Metrics
-from stock_ledger.operate import rejected_replay
-from stock_ledger.positions import PositionMonitor
-from tests.helpers import topic_offsets
+from stock_ledger.worker.monitor import PositionMonitor
+from tests.support.helpers import topic_offsets
+from tests.support.services import kafka_admin
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from tests.helpers import Env, Services
+    from tests.support.helpers import Env, Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -175,11 +179,11 @@ async def produce_transactions(bootstrap: str, topic: str, partition: int) -> No
 
 
 @pytest_asyncio.fixture
-async def records(services: Services) -> AsyncIterator[KafkaRecords]:
+async def records(services: Services) -> AsyncIterator[TopicRecords]:
     consumer = AIOKafkaConsumer(bootstrap_servers=services.kafka, enable_auto_commit=False,
                                 isolation_level="read_committed", auto_offset_reset="none")
     await consumer.start()
-    yield KafkaRecords(consumer)
+    yield TopicRecords(consumer)
     await consumer.stop()
 
 
@@ -191,7 +195,7 @@ async def owner(database: Env) -> AsyncIterator[asyncpg.Connection]:
 
 
 async def test_transaction_markers_and_aborted_records_are_not_holes(
-        owner: asyncpg.Connection, topic: str, services: Services, records: KafkaRecords) -> None:
+        owner: asyncpg.Connection, topic: str, services: Services, records: TopicRecords) -> None:
     """A transactional producer leaves offsets without a committed record (markers, an aborted transaction): the
     worker applies only the 9 records, its stored offset passes the rest. The check finds 6 offsets in neither
     table, reads the partition from Kafka and reports no hole; the level sum is consistent."""
@@ -226,16 +230,16 @@ async def test_a_hole_is_found_by_the_next_check_exported_and_cleared_by_a_repai
     missing = functools.partial(metrics.registry.get_sample_value, "stock_ledger_ledger_missing_records")
     try:
         assert missing() == 0  # exported from the start
-        await monitor._invariants()  # the timer's body, once, without taking the lease
+        (await monitor._invariants())()  # the timer's body (the refresh, then its export), without the lease
         await apply_offsets(owner, topic, 2, list(range(1, 40)))
         await owner.execute("DELETE FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = 2 "
                             "AND kafka_offset BETWEEN 13 AND 16", topic)
         with capture_logs() as logs:
-            await monitor._invariants()
+            (await monitor._invariants())()
         assert missing() == 4
         hole = next(e for e in logs if e["event"] == "invariants.hole")
         assert (hole["partition"], hole["records"], hole["offsets"]) == (2, 4, "13-16")
-        await monitor._invariants()
+        (await monitor._invariants())()
         assert missing() == 4  # still there: a hole is reported until it is filled
         mismatches = functools.partial(metrics.registry.get_sample_value, "stock_ledger_ledger_stock_level_mismatches")
         assert mismatches() == 1  # the levels still hold the deleted rows' qty
@@ -245,7 +249,7 @@ async def test_a_hole_is_found_by_the_next_check_exported_and_cleared_by_a_repai
                                          kafka_partition, kafka_offset)
             SELECT gen_random_uuid(), 'WH-1', 'SKU-' || (o % 3), 2, 'receipt', now(), $1, 2, o
               FROM generate_series(13, 16) AS o""", topic)
-        await monitor._invariants()
+        (await monitor._invariants())()
         assert (missing(), mismatches()) == (0, 0)
     finally:
         await monitor.close()
@@ -296,7 +300,7 @@ async def restore_to(conn: asyncpg.Connection, topic: str, partition: int, offse
 
 
 async def test_a_stored_offset_that_goes_back_takes_a_new_baseline(owner: asyncpg.Connection, topic: str,
-                                                                   services: Services, records: KafkaRecords) -> None:
+                                                                   services: Services, records: TopicRecords) -> None:
     """100 records applied and checked, then the database goes back to offset 60 (a lagging standby promoted).
     The next check says so (invariants.rewound, partition 5) and takes a new baseline instead of a mismatch; the
     worker then re-applies 60-99 (new rows, new applied_at) and more: the checks that follow find the ledger
@@ -321,7 +325,7 @@ async def test_a_stored_offset_that_goes_back_takes_a_new_baseline(owner: asyncp
 
 
 async def test_a_rewind_the_stored_offset_hides_is_still_seen(owner: asyncpg.Connection, topic: str,
-                                                              services: Services, records: KafkaRecords) -> None:
+                                                              services: Services, records: TopicRecords) -> None:
     """The two ways a database that went back in time can look ahead again before the next check:
     1. the worker re-applied the lost range (60-99) and more: the last row checked (99) was written again (another
        applied_at); a new baseline, no mismatch, no hole;
@@ -346,7 +350,7 @@ async def test_a_rewind_the_stored_offset_hides_is_still_seen(owner: asyncpg.Con
 
 
 async def test_the_cost_follows_the_new_range_not_the_ledger(owner: asyncpg.Connection, topic: str,
-                                                             services: Services, records: KafkaRecords) -> None:
+                                                             services: Services, records: TopicRecords) -> None:
     """10,000 rows already checked, 30 more applied in partition 3: the next check scans 30 offsets for holes,
     adds 30 rows' qty and reads nothing from Kafka (no offset is missing from both tables)."""
     await apply_offsets(owner, topic, 3, list(range(10_000)))
@@ -359,7 +363,7 @@ async def test_the_cost_follows_the_new_range_not_the_ledger(owner: asyncpg.Conn
 
 
 async def test_only_the_monitored_topic_is_read_for_holes(owner: asyncpg.Connection, topic: str,
-                                                          records: KafkaRecords) -> None:
+                                                          records: TopicRecords) -> None:
     """The database also holds a stored offset of a topic this broker does not have (another deployment's), with
     offsets in neither table, and a partition whose offset row was deleted. With holes_in=<our topic> the checks
     never try to read the foreign topic from Kafka; the deleted row counts as a rewind, not an error."""
@@ -375,7 +379,7 @@ async def test_only_the_monitored_topic_is_read_for_holes(owner: asyncpg.Connect
 
 async def test_a_stored_offset_past_the_log_end_is_not_read_forever(owner: asyncpg.Connection, topic: str,
                                                                    services: Services,
-                                                                   records: KafkaRecords) -> None:
+                                                                   records: TopicRecords) -> None:
     """Partition 8 holds 5 records but its stored offset says 20 (a recreated topic: StockLedgerLogGap's case):
     offsets 5-19 are in neither table and Kafka has nothing there. The check reads up to the log end only,
     promptly, and reports no hole."""
@@ -415,13 +419,52 @@ async def test_a_replay_leaves_the_alerts_series_at_0(owner: asyncpg.Connection,
                 metrics.registry.get_sample_value("stock_ledger_ledger_missing_records"))
 
     try:
-        await monitor._invariants()  # the timer's body, once, without taking the lease
-        await monitor._invariants()
+        (await monitor._invariants())()  # the timer's body (the refresh, then its export), without the lease
+        (await monitor._invariants())()
         replay = Settings(database_url=database.owner_url, topic=TOPIC, group_id=GROUP)
         args = argparse.Namespace(reason=None, batch_size=500, dry_run=False, json=True)
         assert await rejected_replay(replay, args) == 0
         for _ in range(3):
-            await monitor._invariants()
+            (await monitor._invariants())()
             assert series() == (0, 0)
     finally:
         await monitor.close()
+
+
+async def test_below_the_log_start_the_ledgers_knowledge_decides(
+        owner: asyncpg.Connection, topic: str, services: Services, records: TopicRecords) -> None:
+    """Partition 2 holds 40 records, all applied; the ledger knows which of its offsets held no record from 0 on
+    (none did). Offsets 13-16 then go missing from the ledger and Kafka deletes everything below 20.
+    1. The next check counts 13-16 as a hole (inside the known range Kafka's silence cannot make them markers), as
+       verify and repair judge them.
+    2. Once they are recorded in ledger_gaps (what repair does with records gone from Kafka), the check after
+       leaves them to verify: no hole.
+    3. Without that knowledge (a ledger applied before it was recorded), the same offsets are logged as
+       unconfirmed, not counted."""
+    await produce(services.kafka, topic, 2, 40)
+    checks = Invariants(full_scan_seconds=3600)
+    await apply_offsets(owner, topic, 2, [0], stored=1)
+    await checks.check(owner, full=False, records=records)
+    await apply_offsets(owner, topic, 2, list(range(1, 40)))
+    await owner.execute("UPDATE consumer_offsets SET non_records_known_from = 0, non_records_known_to = 40")
+    await owner.execute("DELETE FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = 2 "
+                        "AND kafka_offset BETWEEN 13 AND 16", topic)
+    async with kafka_admin(services.kafka) as admin:
+        await admin.delete_records({TopicPartition(topic, 2): RecordsToDelete(before_offset=20)}, timeout_ms=10_000)
+    with capture_logs() as logs:
+        gone = await checks.check(owner, full=False, records=records)
+    assert (gone.missing_records, gone.holes) == (4, {(topic, 2): [(13, 16)]})
+    assert [e["offsets"] for e in logs if e["event"] == "invariants.hole"] == ["13-16"]
+    await owner.execute("INSERT INTO ledger_gaps (group_id, topic, partition, first_offset, last_offset, reason) "
+                        "VALUES ($1, $2, 2, 13, 16, 'skipped_below_log_start')", GROUP, topic)
+    assert (await checks.check(owner, full=False, records=records)).holes == {}
+
+    await owner.execute("DELETE FROM ledger_gaps")
+    await owner.execute("UPDATE consumer_offsets SET non_records_known_from = NULL, non_records_known_to = NULL")
+    unknown = Invariants(full_scan_seconds=3600)
+    await owner.execute("UPDATE consumer_offsets SET next_offset = 1")
+    await unknown.check(owner, full=False, records=records)
+    await owner.execute("UPDATE consumer_offsets SET next_offset = 40")
+    with capture_logs() as logs:
+        assert (await unknown.check(owner, full=False, records=records)).holes == {}
+    assert [e["offsets"] for e in logs if e["event"] == "invariants.unconfirmed"] == ["13-16"]

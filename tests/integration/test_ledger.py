@@ -13,9 +13,9 @@ import asyncpg
 import pytest
 
 from stock_ledger.migrate import load_migrations
-from stock_ledger.produce import produce
 from tests.conftest import ROOT
-from tests.helpers import Env, Services, WorkerPool, assert_exact, movement, send_raw, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, movement, send_raw, wait_drained
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

@@ -11,8 +11,7 @@ import subprocess
 import asyncpg
 import pytest
 
-from stock_ledger.produce import produce
-from tests.helpers import (
+from tests.support.helpers import (
     Env,
     Services,
     WorkerPool,
@@ -23,6 +22,7 @@ from tests.helpers import (
     stored_offsets,
     wait_drained,
 )
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

@@ -18,12 +18,12 @@ from structlog.testing import capture_logs
 
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.migrate import MigrateOptions, migrate
-from tests.helpers import free_port, scratch_database
+from tests.support.helpers import free_port, scratch_database
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from tests.helpers import Env, Services
+    from tests.support.helpers import Env, Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

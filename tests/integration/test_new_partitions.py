@@ -13,10 +13,10 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewPartitions
-from scripts.localservices import kafka_admin
 
-from stock_ledger.produce import movements, produce
-from tests.helpers import Env, Services, WorkerPool, assert_exact, eventually, stored_offsets, wait_drained
+from stock_ledger.produce import movements
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, eventually, stored_offsets, wait_drained
+from tests.support.services import kafka_admin, produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

@@ -21,7 +21,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.structs import TopicPartition
 
-from tests.helpers import Env, Services, WorkerPool, assert_exact, eventually, movement, send_raw, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, eventually, movement, send_raw, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

@@ -17,12 +17,12 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stock_ledger import pgtime
-from stock_ledger.batch import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, Record, build_batch
 from stock_ledger.faults import Faults
-from stock_ledger.sink import Ledger
+from stock_ledger.ledger import pgtime
+from stock_ledger.ledger.batch import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, Record, build_batch
+from stock_ledger.ledger.transaction import Ledger
 from tests.fuzz import new_topic
-from tests.helpers import FROM_ZERO, Env, movement
+from tests.support.helpers import FROM_ZERO, Env, claims_of, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 TOPIC = "warehouse.movements"
@@ -61,7 +61,7 @@ async def test_the_ledger_stores_each_record_s_exact_instants_at_both_ends_of_th
     timestamps from 0 to the last millisecond Python holds: through `Ledger.apply` on a plain session, every stored
     time is finite and exactly the instant sent; out-of-range Kafka timestamps are NULL."""
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(plain, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(plain, TOPIC, [0], None, None, reset=FROM_ZERO)
     records = [Record(0, i, ms, b"SKU-1", json.dumps(movement("SKU-1", occurred_at=sent)).encode())
                for i, ((sent, _), ms) in enumerate(zip(OCCURRED, KAFKA_MS, strict=True))]
     outcome = await ledger.apply(plain, build_batch(TOPIC, {0: records}, {0: claim.epoch}))
@@ -120,7 +120,7 @@ async def test_any_time_a_record_carries_is_stored_exactly_or_quarantined(
     conn = await asyncpg.connect(database.worker_url)
     try:
         ledger = Ledger("fuzz", Faults(None))
-        (claim,) = await ledger.claim(conn, topic, [0], None, None, reset=FROM_ZERO)
+        (claim,) = await claims_of(ledger).claim(conn, topic, [0], None, None, reset=FROM_ZERO)
         await ledger.apply(conn, build_batch(topic, {0: records}, {0: claim.epoch}))
         stored = {r["kafka_offset"]: (r["occ"], r["kts"]) for r in await conn.fetch(
             "SELECT kafka_offset, extract(epoch FROM occurred_at) * 1000000 AS occ, "
@@ -147,7 +147,7 @@ async def test_a_wire_value_out_of_range_is_a_refusal_and_is_quarantined(
     """The parser lets no such instant through; if one got into a row anyway (a bug of ours), the session refuses it
     as asyncpg refuses a datetime it cannot convert, and the sink quarantines that row as database_rejected."""
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(plain, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(plain, TOPIC, [0], None, None, reset=FROM_ZERO)
     batch = build_batch(TOPIC, {0: [Record(0, i, 1_700_000_000_000, b"SKU-1", json.dumps(movement("SKU-1")).encode())
                                      for i in range(4)]}, {0: claim.epoch})
     occurred = MOVEMENT_COLUMNS.index("occurred_at")

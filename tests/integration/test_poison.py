@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaProducer
 
-from tests.helpers import (
+from tests.support.helpers import (
     Env,
     Services,
     WorkerPool,

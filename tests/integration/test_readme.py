@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -28,11 +26,12 @@ from urllib.parse import quote
 
 import pytest
 import yaml
-from scripts.localservices import free_port
+from scripts import bench
 
 from stock_ledger.config import load_settings
 from tests.deploy.support import require_tool
-from tests.helpers import Env, Services, WorkerPool, assert_exact, movement, send_raw, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, movement, send_raw, wait_drained
+from tests.support.services import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -240,12 +239,10 @@ def test_the_headline_command_is_the_bench_invocation_the_json_records() -> None
     """The headline's reproduce command parses as written, and it is the command the cited JSON recorded (the run
     takes minutes and fetches Kafka Connect, so CI runs only its smoke test, tests/integration/test_bench_smoke.py)."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"Reproduce:\n\n {4}(python scripts/bench\.py .+)\n", text)
+    command = re.search(r"Reproduce:\n\n {4}(python -m scripts\.bench .+)\n", text)
     assert command, "the headline's reproduce line"
     words = shlex.split(command.group(1))
-    sys.path.insert(0, str(ROOT / "scripts"))
-    bench = importlib.import_module("bench")  # a script, importable once scripts/ is on the path
-    args = bench.parser().parse_args(words[2:])
+    args = bench.parser().parse_args(words[3:])
     assert args.command == "peers"
     evidence = re.search(r"JSON: `(docs/bench/[^`]+\.json)`", text)
     assert evidence, "the headline names its JSON"

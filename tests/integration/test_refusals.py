@@ -18,12 +18,11 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from stock_ledger.batch import MOVEMENT_COLUMNS, Batch, Record, build_batch
 from stock_ledger.domain import RejectCode
-from stock_ledger.errors import CoordinateConflictError
 from stock_ledger.faults import Faults
-from stock_ledger.sink import Ledger
-from tests.helpers import FROM_ZERO, Env, insert_foreign_row, movement
+from stock_ledger.ledger.batch import MOVEMENT_COLUMNS, Batch, Record, build_batch
+from stock_ledger.ledger.transaction import Ledger
+from tests.support.helpers import FROM_ZERO, Env, claims_of, insert_foreign_row, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 TOPIC = "warehouse.movements"
@@ -83,7 +82,8 @@ async def test_refused_rows_are_isolated_and_quarantined_and_the_rest_commits(
     applied, the four are in rejected_movements as database_rejected with the refusal and their raw bytes, both
     offsets advance, stock_levels hold exactly the applied sum, and the bisection stayed within 4 x log2(200)."""
     ledger = Ledger("g", Faults(None))
-    claims = {c.partition: c.epoch for c in await ledger.claim(conn, TOPIC, [0, 1], None, None, reset=FROM_ZERO)}
+    claimed = await claims_of(ledger).claim(conn, TOPIC, [0, 1], None, None, reset=FROM_ZERO)
+    claims = {c.partition: c.epoch for c in claimed}
     batch = build_batch(TOPIC, {0: records(0, 100), 1: records(1, 100)}, claims)
     bad = {
         corrupt(batch, 3, SKU, "SKU\x00X"): "22021",
@@ -112,7 +112,7 @@ async def test_a_quarantine_row_the_database_refuses_is_stored_bare(conn: asyncp
     """A refused movement whose Kafka timestamp is what the driver cannot encode: its quarantine row would be
     refused too, so it is stored bare (coordinates, raw bytes, NULL timestamp) with both reasons; nothing is lost."""
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
     batch = build_batch(TOPIC, {0: records(0, 10)}, {0: claim.epoch})
     bad = corrupt(batch, 4, KAFKA_TS, datetime(9999, 12, 31, 23, 30, tzinfo=timezone(timedelta(hours=-1))))
     outcome = await ledger.apply(conn, batch)
@@ -129,7 +129,7 @@ async def test_a_quarantine_row_the_database_refuses_is_stored_bare(conn: asyncp
 async def test_a_clean_batch_takes_no_savepoint_and_no_bisection(conn: asyncpg.Connection, database: Env) -> None:
     """The common path is unchanged: a batch PostgreSQL accepts is applied with zero bisections."""
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
     outcome = await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 50)}, {0: claim.epoch}))
     assert (outcome.applied, outcome.bisections) == (50, 0)
     assert (await ledger_of(database))["offsets"] == {0: 50}
@@ -141,7 +141,7 @@ async def test_a_refusal_and_an_upstream_resend_in_one_batch_are_both_handled(
     """Offsets 0-9 applied; the next batch carries a resend of offset 0's movement_id (quarantined as
     duplicate_movement_id by the unique backstop's redo) and a row PostgreSQL refuses (database_rejected)."""
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
     first = records(0, 10)
     await ledger.apply(conn, build_batch(TOPIC, {0: first}, {0: claim.epoch}))
     later = [Record(0, 10 + i, 1_700_000_000_000, b"SKU-1", json.dumps(movement("SKU-1")).encode())
@@ -158,17 +158,19 @@ async def test_a_refusal_and_an_upstream_resend_in_one_batch_are_both_handled(
 
 
 async def test_our_own_uniqueness_backstops_are_not_refusals(conn: asyncpg.Connection, database: Env) -> None:
-    """A coordinate conflict together with a refused row is still CoordinateConflictError, never quarantined."""
+    """A coordinate already in the ledger together with a refused row: the refused row is quarantined as
+    database_rejected, the coordinate is left as found (named in Outcome.present), never quarantined as a refusal."""
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
     await insert_foreign_row(database.owner_url, TOPIC, 0, 7)
     batch = build_batch(TOPIC, {0: records(0, 10)}, {0: claim.epoch})
     corrupt(batch, 2, QTY, 0)
-    with pytest.raises(CoordinateConflictError):
-        await ledger.apply(conn, batch)
+    outcome = await ledger.apply(conn, batch)
+    assert (outcome.applied, outcome.rejected, outcome.present) == (8, {"database_rejected": 1}, {0: [7]})
     state = await ledger_of(database)
-    # The offset stays where the claim stored it: nothing moved.
-    assert (len(state["applied"]), state["rejected"], state["offsets"]) == (1, {}, {0: 0})
+    assert set(state["rejected"]) == {(0, 2)}
+    assert state["applied"] == {(0, o) for o in range(10) if o != 2}
+    assert state["offsets"] == {0: 10}
 
 
 async def test_a_unique_index_someone_added_is_a_refusal_not_a_crash(conn: asyncpg.Connection, database: Env) -> None:
@@ -180,7 +182,7 @@ async def test_a_unique_index_someone_added_is_a_refusal_not_a_crash(conn: async
     finally:
         await owner.close()
     ledger = Ledger("g", Faults(None))
-    (claim,) = await ledger.claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
+    (claim,) = await claims_of(ledger).claim(conn, TOPIC, [0], None, None, reset=FROM_ZERO)
     outcome = await ledger.apply(conn, build_batch(TOPIC, {0: records(0, 10)}, {0: claim.epoch}))
     assert (outcome.applied, outcome.rejected) == (1, {"database_rejected": 9})
     state = await ledger_of(database)

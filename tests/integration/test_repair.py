@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -21,12 +22,14 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.structs import TopicPartition
 
-from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, assert_exact, movement, wait_drained
-from tests.integration.test_operate import cli, drain_and_stop
+from stock_ledger.migrate import migrate
+from tests.integration.test_operate import cli, drain_and_stop, send_to
 from tests.integration.test_verify import run_verify
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, movement, scratch_database, wait_drained
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
+ROOT = Path(__file__).resolve().parents[2]
 
 P = 5
 LOST = (20, 39)  # the offsets of partition P the "failover" loses
@@ -149,7 +152,7 @@ def partition_entry(document: dict[str, Any], partition: int = P) -> dict[str, A
 
 
 EXPECTED = {"missing": 20, "applied": 16, "already_present": 0, "left_to_workers": 0, "excluded_recorded_gaps": 0,
-            "gone": 0, "quarantined": {"invalid_json": 1, "invalid_field": 1, "duplicate_movement_id": 2}}
+            "gone": 0, "unknown": 0, "quarantined": {"invalid_json": 1, "invalid_field": 1, "duplicate_movement_id": 2}}
 
 
 class TestRepair:
@@ -337,21 +340,154 @@ class TestRepair:
         assert settled.json()["totals"]["excluded_recorded_gaps"] == 10
         assert (await run_verify(workers)).code == 0
 
-    async def test_a_record_the_database_refuses_stops_the_repair_with_nothing_of_its_chunk_written(
+    async def test_a_record_the_database_refuses_is_quarantined_as_the_worker_does(
         self, services: Services, database: Env, topic: str, workers: WorkerPool,
     ) -> None:
         """A CHECK the migrations do not define (qty <> 27, for new rows) refuses offset 26 of the lost range, which
-        the parser accepts: repair exits 1 naming the partition, the offsets and the refusal; the ledger is as it
-        was."""
-        await lost_range_ledger(services, database, topic, workers)
+        the parser accepts. Repair quarantines it as `database_rejected` with the refusal and its raw bytes, as the
+        worker's batch does, and applies the rest: exit 0, 15 movements and 5 quarantined, the audit row counts
+        them, levels hold exactly the applied movements, and verify passes (every record in exactly one table)."""
+        before = await lost_range_ledger(services, database, topic, workers)
         conn = await owner(database)
         try:
             await conn.execute("ALTER TABLE stock_movements ADD CONSTRAINT not_27 CHECK (qty <> 27) NOT VALID")
         finally:
             await conn.close()
+        done = await cli(workers, "repair", "--json")
+        assert done.code == 0, done.out + done.err
+        assert done.json()["totals"]["applied"] == 15
+        assert done.json()["totals"]["quarantined"] == {**EXPECTED["quarantined"], "database_rejected": 1}
+        movements, quarantined = await rows_of(database, topic, *LOST)
+        assert 26 not in movements
+        assert movements == {o: r for o, r in before.movements.items() if o != 26}
+        assert sorted(quarantined) == [25, 26, 30, 33, 36]
+        _, key, value, code, movement_id = quarantined[26]
+        assert (code, movement_id) == ("database_rejected", before.movements[26][0])
+        raw = json.loads(value)  # the record's own bytes, kept
+        assert (key, raw["qty"], raw["movement_id"]) == (b"SKU-2", 27, str(movement_id))
+        conn = await owner(database)
+        try:
+            reason = await conn.fetchval("SELECT reason FROM rejected_movements WHERE kafka_topic = $1 AND "
+                                         "kafka_partition = $2 AND kafka_offset = 26", topic, P)
+            audit = await conn.fetch("SELECT applied, quarantined, reasons FROM ledger_repairs")
+        finally:
+            await conn.close()
+        assert reason.startswith("PostgreSQL refused the row (23514)"), reason
+        assert "not_27" in reason, reason
+        assert [(a["applied"], a["quarantined"]) for a in audit] == [(15, 5)]
+        assert json.loads(audit[0]["reasons"])["database_rejected"] == 1
+        await assert_exact(services, database, topic, workers.group, rows=before.rows - 1,
+                           rejected=before.rejected + 1)
+        assert (await run_verify(workers)).code == 0
+
+
+class TestUnknownGroup:
+    """`repair` and `verify` with a STOCK_LEDGER_GROUP_ID the database holds no stored offset of (a typo) used to
+    find every stored offset "none": repair reported "missing 0" and exited 0, and `verify --since` passed. Both now
+    refuse, naming the groups the database holds (issue 38, item 5)."""
+
+    async def test_repair_and_verify_refuse_a_group_the_database_does_not_hold(
+        self, services: Services, database: Env, topic: str, workers: WorkerPool,
+    ) -> None:
+        """1. A worker applies 10 records of partition 1 and stops; 5 of them are lost, so there is something to
+           repair.
+        2. With STOCK_LEDGER_GROUP_ID=<group>-typo: `repair` exits 1 with one line naming the typo, the topic and
+           the group the database holds, and changes nothing; `verify` and `verify --since 1h` exit 1 the same way.
+        3. On a migrated database no worker ever wrote to, `repair` exits 1 saying it holds no group at all."""
+        await send_to(services.kafka, topic, 1, 10)
+        await drain_and_stop(services, database, topic, workers)
+        conn = await owner(database)
+        try:
+            await conn.execute("DELETE FROM stock_movements WHERE kafka_partition = 1 AND kafka_offset >= 5")
+        finally:
+            await conn.close()
         damaged = await snapshot(database)
-        refused = await cli(workers, "repair")
+        typo = f"{workers.group}-typo"
+        refused = await cli(workers, "repair", STOCK_LEDGER_GROUP_ID=typo)
         assert refused.code == 1, refused.out + refused.err
-        assert f"/{P} offsets 20..39: PostgreSQL refused the row (23514)" in refused.err
-        assert "nothing of this chunk was written" in refused.err
+        assert refused.out == ""
+        [line] = refused.err.strip().splitlines()
+        assert line.startswith(f"stock-ledger repair: group {typo!r} has no stored offsets of topic {topic!r}"), line
+        assert f"group {workers.group!r} (topic {topic!r}, 24 partitions)" in line, line
+        assert "STOCK_LEDGER_GROUP_ID" in line
         assert await snapshot(database) == damaged
+        for args in ((), ("--since", "1h")):
+            checked = await cli(workers, "verify", *args, STOCK_LEDGER_GROUP_ID=typo)
+            assert checked.code == 1, f"verify {args}: {checked.out}"
+            [line] = checked.err.strip().splitlines()
+            assert f"group {typo!r} has no stored offsets of topic {topic!r}" in line, line
+            assert f"group {workers.group!r} (topic {topic!r}, 24 partitions)" in line, line
+        fixed = await cli(workers, "repair", "--json")
+        assert (fixed.code, fixed.json()["totals"]["applied"]) == (0, 5), fixed.err
+
+        async with scratch_database(services) as name:
+            blank = services.url_for(name)
+            await migrate(blank, ROOT / "migrations")
+            empty = await cli(workers, "repair", url=blank)
+        assert empty.code == 1, empty.out + empty.err
+        assert "this database holds no stored offsets of any group" in empty.err, empty.err
+
+
+async def _waiting(database: Env, lock: str) -> bool:
+    """Whether a session of the test database waits for a lock of this kind (`transactionid`: a row another
+    transaction holds; `advisory`)."""
+    conn = await owner(database)
+    try:
+        return bool(await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' "
+            "AND wait_event = $1", lock))
+    finally:
+        await conn.close()
+
+
+async def test_offsets_set_and_a_repair_chunk_take_turns(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """The race that left workers crash-looping, interleaved deterministically by locks:
+    1. p5's rows 40-49 are lost (its stored offset stays 50, so the lowest offset `offsets set` may move to is 40).
+    2. A repair of p5 starts its chunk 40-49 and is held inside it (the test holds a stock_levels row it must
+       update): its rows are written, not yet committed.
+    3. `offsets set --partition 5 --offset 40` runs meanwhile. It must wait for the chunk (today it did not: its
+       floor saw only committed rows, it moved the offset to 40 and committed, and the chunk then committed rows
+       40-49 at and above the stored offset, so every worker's next batch hit the coordinates constraint).
+    4. The chunk is let go: repair applies the 10 records and exits 0; `offsets set` then sees them and refuses to
+       move below 50, naming the floor. The stored offset stays 50, no row is at or above it, verify passes."""
+    slow = {"STOCK_LEDGER_LOCK_TIMEOUT_MS": "60000"}
+    await send_to_partition(services.kafka, topic, P, _partition_records())
+    await drain_and_stop(services, database, topic, workers)
+    before = await lose_range(database, topic, 40, 49)
+    hold = await owner(database)
+    try:
+        tx = hold.transaction()
+        await tx.start()
+        await hold.execute("SELECT on_hand FROM stock_levels WHERE warehouse_id = 'WH-0' AND sku = 'SKU-0' FOR UPDATE")
+        repairing = asyncio.ensure_future(cli(workers, "repair", "--partition", str(P), "--json", **slow))
+        for _ in range(600):  # the chunk has written its rows and waits for the levels row
+            if await _waiting(database, "transactionid") or repairing.done():
+                break
+            await asyncio.sleep(0.1)
+        assert not repairing.done(), (await repairing).err
+        assert await _waiting(database, "transactionid"), "repair never reached its chunk"
+        moving = asyncio.ensure_future(cli(workers, "offsets", "set", "--partition", str(P), "--offset", "40", **slow))
+        for _ in range(600):  # waits for the chunk's lock (or, as it did, does not)
+            if await _waiting(database, "advisory") or moving.done():
+                break
+            await asyncio.sleep(0.1)
+        assert moving.done() or await _waiting(database, "advisory"), "offsets set neither finished nor waited"
+        await tx.rollback()
+    finally:
+        await hold.close()
+    repaired, moved = await repairing, await moving
+    assert repaired.code == 0, repaired.err
+    assert repaired.json()["totals"]["applied"] == 10
+    assert moved.code == 1, moved.out + moved.err
+    assert f"refusing to move partition {P} to 40: offsets up to 49 are already in the ledger" in moved.err
+    conn = await owner(database)
+    try:
+        assert await conn.fetchval("SELECT next_offset FROM consumer_offsets WHERE partition = $1", P) == 50
+        assert await conn.fetchval("SELECT count(*) FROM stock_movements WHERE kafka_partition = $1 AND "
+                                   "kafka_offset >= 50", P) == 0
+    finally:
+        await conn.close()
+    await assert_exact(services, database, topic, workers.group, rows=before.rows, rejected=before.rejected)
+    assert (await run_verify(workers)).code == 0

@@ -11,18 +11,25 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
 import pytest
 import pytest_asyncio
-from scripts.localservices import WORKER_PASSWORD
 
-from stock_ledger.clients import connect_database, connect_worker
-from stock_ledger.config import load_settings
+from stock_ledger.clients.database import (
+    connect_database,
+    operator_session,
+    pool,
+    reader_session,
+    worker_session,
+)
+from stock_ledger.config import Settings, load_settings
+from stock_ledger.errors import DatabaseError
 from stock_ledger.migrate import migrate
-from tests.helpers import Env, Services, insert_foreign_row, scratch_database
+from tests.support.helpers import Env, Services, insert_foreign_row, scratch_database
+from tests.support.services import WORKER_PASSWORD
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +164,7 @@ async def test_a_re_granted_create_is_refused_by_owner_sessions(database: Env) -
     with pytest.raises(Exception, match="PUBLIC may CREATE in schema public") as caught:
         await connect_database(owner)
     assert "REVOKE CREATE ON SCHEMA public FROM PUBLIC" in str(caught.value)
-    worker = await connect_worker(load_settings({"DATABASE_URL": database.worker_url}))
+    worker = await worker_session(load_settings({"DATABASE_URL": database.worker_url}))
     await worker.close()
 
 
@@ -166,7 +173,7 @@ async def test_every_session_pins_the_search_path(database: Env) -> None:
     "$user" schema; an owner-created `public.now()` cannot shadow the built-in."""
     await _sql(database.owner_url, "CREATE FUNCTION public.now() RETURNS timestamptz LANGUAGE sql "
                                    "AS $$ SELECT '2000-01-01'::timestamptz $$")
-    for connect, url in ((connect_database, database.owner_url), (connect_worker, database.worker_url)):
+    for connect, url in ((connect_database, database.owner_url), (worker_session, database.worker_url)):
         conn = await connect(load_settings({"DATABASE_URL": url}))
         try:
             assert await conn.fetchval("SHOW search_path") == "public"
@@ -174,3 +181,101 @@ async def test_every_session_pins_the_search_path(database: Env) -> None:
             assert (await conn.fetchval("SELECT now()")).year > 2000
         finally:
             await conn.close()
+
+
+# Issue 38, item 1: every name the statements a guarded session runs before or during its check (the session
+# settings, the pinned search_path, the check itself), the pool's setup and reset, and migrate's lock could resolve
+# to, planted by the worker role. Each body writes to a table only the owner may write, so a row there means
+# the planted function ran with the owner's rights. The aggregate has a final function: it runs even over no row
+# (migrate's session sets nothing).
+PLANTED_EVERYWHERE = """
+CREATE FUNCTION public.planted_ran(what text) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO public.planted_trace VALUES (what); END $$;
+CREATE FUNCTION public.count_step(s bigint, v text) RETURNS bigint LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('count(text) step'); RETURN s + 1; END $$;
+CREATE FUNCTION public.count_final(s bigint) RETURNS bigint LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('count(text) final'); RETURN s; END $$;
+CREATE AGGREGATE public.count(text) (SFUNC = public.count_step, STYPE = bigint, INITCOND = '0',
+                                     FINALFUNC = public.count_final);
+CREATE FUNCTION public.unnest(a text[], b text[]) RETURNS TABLE (name text, value text) LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('unnest(text[], text[])'); RETURN; END $$;
+CREATE FUNCTION public.unnest(a text[]) RETURNS SETOF text LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('unnest(text[])'); RETURN; END $$;
+CREATE FUNCTION public.set_config(a text, b text, c boolean) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('set_config'); RETURN b; END $$;
+CREATE FUNCTION public.pg_backend_pid() RETURNS integer LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('pg_backend_pid'); RETURN 0; END $$;
+CREATE FUNCTION public.pg_try_advisory_lock(k text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('pg_try_advisory_lock(text)'); RETURN true; END $$;
+CREATE FUNCTION public.pg_advisory_unlock(k text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('pg_advisory_unlock(text)'); RETURN true; END $$;
+CREATE FUNCTION public.pg_advisory_unlock_all() RETURNS void LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('pg_advisory_unlock_all'); END $$;
+CREATE FUNCTION public.aclexplode(a aclitem[]) RETURNS TABLE (grantor oid, grantee oid, privilege_type text,
+                                                             is_grantable boolean) LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('aclexplode'); RETURN; END $$;
+CREATE FUNCTION public.pg_get_userbyid(o oid) RETURNS name LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('pg_get_userbyid'); RETURN 'x'; END $$;
+CREATE FUNCTION public.current_database() RETURNS name LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('current_database'); RETURN 'x'; END $$;
+CREATE FUNCTION public.eq_oid(a oid, b oid) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('=(oid, oid)'); RETURN a::bigint OPERATOR(pg_catalog.=) b::bigint; END $$;
+CREATE OPERATOR public.= (LEFTARG = oid, RIGHTARG = oid, FUNCTION = public.eq_oid);
+CREATE FUNCTION public.eq_name_text(a name, b text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.planted_ran('=(name, text)'); RETURN a::text OPERATOR(pg_catalog.=) b; END $$;
+CREATE OPERATOR public.= (LEFTARG = name, RIGHTARG = text, FUNCTION = public.eq_name_text);
+"""
+
+
+async def _planted_ran(db: Env) -> list[str]:
+    """What the planted functions left behind (read as the owner, every name qualified)."""
+    conn = await asyncpg.connect(db.owner_url)
+    try:
+        return [r[0] for r in await conn.fetch("SELECT what FROM public.planted_trace")]
+    finally:
+        await conn.close()
+
+
+async def _open_and_close(connect: Callable[[Settings], Awaitable[asyncpg.Connection]], settings: Settings) -> None:
+    conn = await connect(settings)
+    await conn.close()
+
+
+async def test_nothing_a_session_runs_before_its_check_reaches_a_planted_function(
+    services: Services, database: Env, topic: str,
+) -> None:
+    """1. A database where the worker role may CREATE in public (PostgreSQL 14's default, emulated) and has planted
+       every name our sessions' first statements use: count(text) (an exact match beats pg_catalog's count("any")),
+       unnest, set_config, pg_backend_pid, the advisory-lock functions (an untyped parameter resolves to a text
+       overload), the catalog functions and the `=` operators of the check; each body writes to a table only the
+       owner may write.
+    2. As the owner: the operator commands' sessions (connect_database, operator_session, reader_session), migrate
+       (in process and `stock-ledger gaps list` through the CLI) are refused naming the planted objects; the worker's
+       own session and the monitor's pool (pinned only, by design) connect. After each, the trace is empty: nothing
+       ran with the owner's rights."""
+    db = database
+    await _exec(db.owner_url, "CREATE TABLE public.planted_trace (what text); GRANT CREATE ON SCHEMA public TO PUBLIC")
+    await _exec(db.worker_url, PLANTED_EVERYWHERE)
+    owner = load_settings({"DATABASE_URL": db.owner_url})
+    for name, connect in (("connect_database", connect_database), ("operator_session", operator_session),
+                          ("reader_session", reader_session)):
+        with pytest.raises(DatabaseError, match="count_step") as refused:
+            await _open_and_close(connect, owner)
+        assert "owned by stock_ledger_worker" in str(refused.value), name
+        assert await _planted_ran(db) == [], f"{name} ran a planted function as the owner"
+    with pytest.raises(DatabaseError, match="count_step"):
+        await migrate(db.owner_url, ROOT / "migrations")
+    assert await _planted_ran(db) == [], "migrate ran a planted function as the owner"
+    code, out = await _cli(services, topic, db.owner_url, "gaps", "list")
+    assert code == 1, out
+    assert "owned by stock_ledger_worker" in out, out
+    assert await _planted_ran(db) == [], f"`gaps list` ran a planted function as the owner:\n{out}"
+
+    await _open_and_close(worker_session, owner)  # not refused (its role is the untrusted one), runs nothing planted
+    metrics_pool = await pool(owner, application_name="test-pool")
+    try:
+        async with metrics_pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_catalog.current_setting('search_path')") == "public"
+    finally:
+        await metrics_pool.close()
+    assert await _planted_ran(db) == [], "the worker session or the pool ran a planted function as the owner"

@@ -22,8 +22,8 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, assert_exact, eventually, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, eventually, wait_drained
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]

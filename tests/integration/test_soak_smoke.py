@@ -1,4 +1,4 @@
-"""`scripts/bench.py --soak` and `--verify-sizes` keep working: short runs on the real broker and database.
+"""`python -m scripts.bench soak` and `verify` keep working: short runs on the real broker and database.
 Nothing about speed is asserted."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Services
+from tests.support.helpers import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -31,8 +31,8 @@ def test_a_one_minute_soak_and_a_small_verify_size_exit_0_and_report_every_measu
 
     def bench(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
         out = tmp_path / f"{args[0]}.json"
-        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--out", str(out)],
-                              env=env, capture_output=True, text=True, timeout=200, check=False)
+        done = subprocess.run([sys.executable, "-m", "scripts.bench", *args, "--out", str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=200, check=False)
         assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
         return done, json.loads(out.read_text())
 

@@ -22,9 +22,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from scripts.localservices import ensure_login_role
 
-from tests.helpers import Env, Services, WorkerPool, eventually, movement, send_raw, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, eventually, movement, send_raw, wait_drained
+from tests.support.services import ensure_login_role
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

@@ -16,9 +16,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.structs import TopicPartition
 
-from stock_ledger.produce import produce
-from tests.helpers import Env, Services, WorkerPool, end_offsets, wait_drained
 from tests.integration.test_operate import cli, send_to
+from tests.support.helpers import Env, Services, WorkerPool, end_offsets, wait_drained
+from tests.support.services import produce
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -232,7 +232,9 @@ async def test_a_retention_hole_and_an_open_gap_fail_until_acknowledged(
                            VALUES ($1, $2, 0, 10, 19, 'retention')""", workers.group, topic)
     gap = await run_verify(workers)
     assert gap.check("no unacknowledged gap (ledger_gaps)").startswith("FAIL    1 open: p0 10-19 (retention)")
-    await sql(database, "UPDATE ledger_gaps SET acknowledged_at = now(), acknowledged_by = 'test'")
+    acknowledged = await cli(workers, "gaps", "ack", str(await sql(database, "SELECT id FROM ledger_gaps")),
+                             "--note", "reconciled by hand")
+    assert acknowledged.code == 0, acknowledged.err
     acked = await run_verify(workers)
     assert acked.check("no unacknowledged gap (ledger_gaps)") == "ok      none"
 

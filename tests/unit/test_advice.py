@@ -15,7 +15,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import NotCoordinatorForGroupError
 from structlog.testing import capture_logs
 
-from stock_ledger.advice import KafkaAdvice
+from stock_ledger.consumer.advice import KafkaAdvice
 
 if TYPE_CHECKING:
     from aiokafka.structs import OffsetAndMetadata
@@ -127,8 +127,8 @@ async def test_offsets_wait_while_the_broker_is_away_and_none_are_lost() -> None
     a = advice(broker)
     a.note({0: 1})
     with pytest.MonkeyPatch.context() as mp, capture_logs():
-        mp.setattr("stock_ledger.advice.EVERY_SECONDS", 0.05)
-        mp.setattr("stock_ledger.advice.PATIENCE_SECONDS", 0.05)
+        mp.setattr("stock_ledger.consumer.advice.EVERY_SECONDS", 0.05)
+        mp.setattr("stock_ledger.consumer.advice.PATIENCE_SECONDS", 0.05)
         loop = asyncio.create_task(a.run())
         await asyncio.sleep(0.1)
         a.note({0: 2})

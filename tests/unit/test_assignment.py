@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stock_ledger.assignment import Assignment, ClaimTicket
+from stock_ledger.consumer.assignment import Assignment, ClaimTicket
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,51 @@ class TestReseek:
         a.accept({0: recs(11)})
         a.committed({0: 12})
         assert a.accept({0: recs(14)}).reseek == {0: 12}
+
+
+class TestPastOffsetsWithoutRecords:
+    """The consumer's position after a fetch is past every record it returned and short of every record it did not:
+    offsets between a partition's last record (or where it stands) and that position held no data record
+    (transaction markers, aborted records), and the batch moves the stored offset past them."""
+
+    def test_a_batch_ends_at_the_position_past_its_last_record(self) -> None:
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        accepted = a.accept({0: recs(10, 11)}, {0: 13})
+        assert (accepted.records, accepted.tails) == ({0: recs(10, 11)}, {0: 13})
+
+    def test_a_position_at_the_last_record_plus_one_adds_nothing(self) -> None:
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        assert a.accept({0: recs(10, 11)}, {0: 12}).tails == {}
+
+    def test_a_partition_without_records_moves_past_a_trailing_marker(self) -> None:
+        """The commit marker came in a fetch of its own: no record, the position one past where the partition
+        stands, which is where the batch moves it; a partition whose position did not move gets nothing."""
+        a = Assignment()
+        a.assigned([0, 1])
+        claimed(a, {0: (1, 10), 1: (1, 5)})
+        accepted = a.accept({}, {0: 11, 1: 5})
+        assert (accepted.records, accepted.tails) == ({}, {0: 11})
+
+    def test_the_next_batch_continues_from_the_position(self) -> None:
+        """Built ahead: a batch ending at the position is dispatched; the next one starts there."""
+        a = Assignment()
+        a.assigned([0])
+        claimed(a, {0: (1, 10)})
+        a.accept({0: recs(10, 11)}, {0: 14})
+        a.dispatched({0: 14})
+        assert a.positions == {0: 14}
+        assert a.accept({}, {0: 14}).tails == {}
+
+    def test_a_partition_sought_again_or_not_held_gets_no_tail(self) -> None:
+        a = Assignment()
+        a.assigned([0, 1])
+        claimed(a, {0: (1, 10)})
+        accepted = a.accept({0: recs(20, 21)}, {0: 25, 1: 7})
+        assert (accepted.reseek, accepted.tails) == ({0: 10}, {})
 
 
 class TestStaleClaims:

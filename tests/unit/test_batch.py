@@ -12,8 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stock_ledger.batch import MOVEMENT_COLUMNS, REJECT_COLUMNS, BatchBuilder, PartitionSlice, Record, build_batch
 from stock_ledger.domain import RejectCode
+from stock_ledger.ledger.batch import (
+    MOVEMENT_COLUMNS,
+    REJECT_COLUMNS,
+    BatchBuilder,
+    PartitionSlice,
+    Record,
+    build_batch,
+)
 
 TOPIC = "warehouse.movements"
 TS = 1_764_411_330_250  # 2025-11-29T10:15:30.250Z
@@ -85,6 +92,45 @@ class TestSlices:
         assert batch.slices == [PartitionSlice(2, 9, 40, 42, 40)]
         assert batch.movements == []
         assert len(batch.rejects) == 2
+
+
+class TestEnds:
+    """`BatchBuilder.end`: a partition's part of the batch ends past offsets that held no data record."""
+
+    def test_a_slice_ends_past_its_last_record(self) -> None:
+        builder = BatchBuilder(TOPIC, {0: 1}, {0: 10})
+        builder.add(0, [Record(0, 10, TS, b"k", movement()), Record(0, 11, TS, b"k", movement())])
+        builder.end(0, 13)
+        assert builder.batch().slices == [PartitionSlice(0, 1, 10, 13, 10)]
+
+    def test_a_partition_of_markers_only_gets_a_slice_without_rows(self) -> None:
+        builder = BatchBuilder(TOPIC, {0: 1, 1: 4}, {0: 10, 1: 7})
+        builder.add(0, [Record(0, 10, TS, b"k", movement())])
+        builder.end(1, 8)
+        batch = builder.batch()
+        assert batch.slices == [PartitionSlice(0, 1, 10, 11, 10), PartitionSlice(1, 4, 7, 8, 7)]
+        assert (batch.size, batch.slices[1].non_records) == (1, [(7, 7)])
+
+    def test_offsets_without_a_record_are_named_as_runs(self) -> None:
+        """Expected 10; records 12, 13, 16 in two chunks; the partition ends at 19: 10-11 (before the first record),
+        14-15 (between chunks), 17-18 (after the last) held no data record. A partition of consecutive records from
+        where it stands names none."""
+        builder = BatchBuilder(TOPIC, {0: 1, 1: 1}, {0: 10, 1: 0})
+        builder.add(0, [Record(0, 12, TS, b"k", movement()), Record(0, 13, TS, b"k", movement())])
+        builder.add(0, [Record(0, 16, TS, b"k", movement())])
+        builder.end(0, 19)
+        builder.add(1, [Record(1, o, TS, b"k", movement()) for o in range(5)])
+        first, second = builder.batch().slices
+        assert first.non_records == [(10, 11), (14, 15), (17, 18)]
+        assert (second.non_records, second.next_offset) == ([], 5)
+
+    def test_an_end_before_the_last_record_or_where_it_stands_is_refused(self) -> None:
+        builder = BatchBuilder(TOPIC, {0: 1, 1: 1}, {0: 10, 1: 5})
+        builder.add(0, [Record(0, 10, TS, b"k", movement()), Record(0, 11, TS, b"k", movement())])
+        with pytest.raises(ValueError, match="ends at 11, before 12"):
+            builder.end(0, 11)
+        with pytest.raises(ValueError, match="not past the ledger's next offset 5"):
+            builder.end(1, 5)
 
 
 class TestRows:

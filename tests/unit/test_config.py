@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stock_ledger.config import Settings, load_settings
+from stock_ledger.config import Settings, check_worker_timeouts, load_settings
 from stock_ledger.errors import ConfigError
 
 PASSWORD = "s3cr3t-Pa55word"  # noqa: S105 - a fake, looked for in the output
@@ -37,8 +37,11 @@ class TestDefaults:
         assert s.retry_deadline_seconds == 60
         assert s.lock_timeout_ms == 5_000
         assert s.idle_in_transaction_timeout_ms == 15_000
+        assert s.database_reply_timeout_ms == 30_000
         assert s.shutdown_grace_seconds == 8
         assert s.stall_seconds == 60
+        assert s.invariant_refresh_seconds == 60
+        assert s.compaction_check_seconds == 60  # its own: an hourly invariant refresh must not make it hourly
         assert s.log_level == "info"
         assert s.log_format == "auto"
         assert s.fault is None
@@ -46,6 +49,13 @@ class TestDefaults:
     def test_the_defaults_fit_in_kubernetes_grace_period(self) -> None:
         """Graceful shutdown must finish well inside terminationGracePeriodSeconds (30 s)."""
         assert load_settings({}).shutdown_grace_seconds <= 10
+
+    def test_the_default_reply_timeout_lies_between_the_lock_timeout_and_the_stall_limit(self) -> None:
+        """A statement waiting on a lock hears the server's lock timeout before the worker gives up on it, and a
+        blackholed session is given up before /healthz calls the worker stalled (and Kubernetes restarts it)."""
+        s = load_settings({})
+        check_worker_timeouts(s)
+        assert s.lock_timeout_ms < s.database_reply_timeout_ms < s.stall_seconds * 1000
 
     def test_settings_are_frozen(self) -> None:
         """One immutable object: nothing can change the configuration after start."""
@@ -113,11 +123,13 @@ class TestEachVariable:
             ("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "60000", "migrate_statement_timeout_ms", 60000),
             ("STOCK_LEDGER_LOCK_TIMEOUT_MS", "2000", "lock_timeout_ms", 2000),
             ("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "20000", "idle_in_transaction_timeout_ms", 20000),
+            ("STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS", "2000", "database_reply_timeout_ms", 2000),
             ("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "5", "shutdown_grace_seconds", 5.0),
             ("STOCK_LEDGER_STALL_SECONDS", "120", "stall_seconds", 120.0),
             ("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "1.5", "position_refresh_seconds", 1.5),
             ("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "30", "invariant_refresh_seconds", 30.0),
             ("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "3600", "invariant_full_scan_seconds", 3600.0),
+            ("STOCK_LEDGER_COMPACTION_CHECK_SECONDS", "15", "compaction_check_seconds", 15.0),
             ("STOCK_LEDGER_LOG_LEVEL", "DEBUG", "log_level", "debug"),
             ("STOCK_LEDGER_LOG_LEVEL", "warning", "log_level", "warning"),
             ("STOCK_LEDGER_LOG_FORMAT", "json", "log_format", "json"),
@@ -165,11 +177,14 @@ class TestBadValues:
             ("STOCK_LEDGER_RETRY_DEADLINE_SECONDS", "inf"),
             ("STOCK_LEDGER_LOCK_TIMEOUT_MS", "1"),
             ("STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS", "x"),
+            ("STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS", "999"),
+            ("STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS", "30s"),
             ("STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS", "-1"),
             ("STOCK_LEDGER_STALL_SECONDS", "0.5"),
             ("STOCK_LEDGER_POSITION_REFRESH_SECONDS", "never"),
             ("STOCK_LEDGER_INVARIANT_REFRESH_SECONDS", "0"),
             ("STOCK_LEDGER_INVARIANT_FULL_SCAN_SECONDS", "0"),
+            ("STOCK_LEDGER_COMPACTION_CHECK_SECONDS", "0"),
             ("STOCK_LEDGER_LOG_LEVEL", "verbose"),
             ("STOCK_LEDGER_LOG_FORMAT", "xml"),
             ("STOCK_LEDGER_TOPIC", "warehouse movements"),
@@ -196,6 +211,19 @@ class TestBadValues:
             )
         assert "STOCK_LEDGER_REBALANCE_TIMEOUT_MS" in str(caught.value)
         assert "STOCK_LEDGER_SESSION_TIMEOUT_MS" in str(caught.value)
+
+    @pytest.mark.parametrize("reply", ["1000", "5000"])
+    def test_a_reply_timeout_not_above_the_lock_timeout_names_both(self, reply: str) -> None:
+        """The worker would drop every session that waits on a lock (and never wait long enough for a claim to
+        end a zombie's session): refused, naming both variables and the fix."""
+        settings = load_settings({"STOCK_LEDGER_LOCK_TIMEOUT_MS": "5000",
+                                  "STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS": reply})
+        with pytest.raises(ConfigError) as caught:
+            check_worker_timeouts(settings)
+        assert "STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS" in str(caught.value)
+        assert "STOCK_LEDGER_LOCK_TIMEOUT_MS" in str(caught.value)
+        assert "Raise the first or lower the second" in str(caught.value)
+        check_worker_timeouts(dataclasses.replace(settings, database_reply_timeout_ms=5001))
 
     def test_a_bad_database_url_does_not_echo_its_password(self) -> None:
         """The error shows the URL to help the operator, but never the password."""
@@ -292,6 +320,13 @@ class TestCommandLine:
         """run and verify without DATABASE_URL: exit 2, naming DATABASE_URL, before touching any service."""
         done = _cli(command, KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1")
         _assert_config_exit(done, "DATABASE_URL")
+
+    def test_run_with_a_reply_timeout_below_the_lock_timeout_exits_2_naming_both(self) -> None:
+        """Only the worker waits on replies with a deadline: `run` refuses before it touches any service."""
+        done = _cli("run", DATABASE_URL=DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1",
+                    STOCK_LEDGER_LOCK_TIMEOUT_MS="10000", STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS="8000")
+        _assert_config_exit(done, "STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS")
+        assert "STOCK_LEDGER_LOCK_TIMEOUT_MS (10000)" in done.stderr
 
     def test_verify_with_a_bad_variable_exits_2_naming_it(self) -> None:
         """verify reads the same settings and fails the same way."""

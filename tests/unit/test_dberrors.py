@@ -12,9 +12,9 @@ import sys
 import asyncpg
 import pytest
 
-from stock_ledger.dberrors import connect_error, explain, target
+from stock_ledger.clients.dberrors import connect_error, explain, target
 from stock_ledger.errors import ConnectionSecurityError, DatabaseError, DatabaseUnreachableError
-from stock_ledger.retry import transient_cause
+from stock_ledger.worker.retry import transient_cause
 
 URL = "postgresql://app_worker:S3cret-pw@db.internal:6432/ledger"
 
@@ -34,7 +34,7 @@ class TestExplain:
         assert "permission denied for table ledger_gaps" in line
 
     def test_an_owner_command_says_to_run_as_the_owner_instead(self) -> None:
-        line = explain(asyncpg.InsufficientPrivilegeError("permission denied"), URL, "offsets set")
+        line = explain(asyncpg.InsufficientPrivilegeError("permission denied"), URL, "offsets set", "owner")
         assert line is not None
         assert "runs as the owner role" in line
         assert "GRANT" not in line

@@ -431,6 +431,11 @@ def test_the_reject_codes_are_the_contract_label_values() -> None:
         "too_deep",
         "out_of_range",
         "database_rejected",
+        # Registry-framed formats (docs/formats.md): bytes the declared format cannot read, a schema id the registry
+        # does not know (after its wait), a writer schema the ledger's reader schema cannot resolve.
+        "invalid_encoding",
+        "unknown_schema",
+        "incompatible_schema",
     }
 
 

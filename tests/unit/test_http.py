@@ -1,21 +1,28 @@
-"""The HTTP server: /metrics for Prometheus, /healthz and /readyz for Kubernetes; no client can break it."""
+"""The HTTP server: /metrics for Prometheus (the format and compression the scraper asks for), /healthz and /readyz
+for Kubernetes, on both IP families; no client can break it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import gzip
+import socket
 import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from stock_ledger.domain import RejectCode
-from stock_ledger.health import HttpServer
 from stock_ledger.metrics import Metrics
+from stock_ledger.worker import health
+from stock_ledger.worker.health import HttpServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -69,9 +76,9 @@ async def served() -> AsyncIterator[Served]:
         await server.close()
 
 
-async def exchange(port: int, raw: bytes) -> bytes:
+async def exchange(port: int, raw: bytes, host: str = "127.0.0.1") -> bytes:
     """Send raw bytes, read until the server closes the connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(raw)
         await writer.drain()
@@ -82,9 +89,11 @@ async def exchange(port: int, raw: bytes) -> bytes:
             await writer.wait_closed()
 
 
-async def request(port: int, method: str, path: str) -> Response:
+async def request(port: int, method: str, path: str, *, host: str = "127.0.0.1", **headers: str) -> Response:
+    """One request; `headers` as keyword arguments (accept_encoding= is Accept-Encoding)."""
+    fields = "".join(f"{name.replace('_', '-').title()}: {value}\r\n" for name, value in headers.items())
     data = await exchange(
-        port, f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: test\r\n\r\n".encode()
+        port, f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: test\r\n{fields}\r\n".encode(), host
     )
     head, sep, body = data.partition(b"\r\n\r\n")
     assert sep, f"no complete response: {data!r}"
@@ -103,10 +112,12 @@ class TestMetrics:
     """GET /metrics is the Prometheus text exposition of the injected registry."""
 
     async def test_metrics_is_200_and_parses_as_prometheus_text(self, served: Served) -> None:
-        """Prometheus can scrape it: the right content type, and the official parser reads every family."""
+        """A client that names no format (curl) gets the classic text format, uncompressed, and the official
+        parser reads every family."""
         r = await request(served.server.port, "GET", "/metrics")
         assert r.status == 200
-        assert r.headers["content-type"] == CONTENT_TYPE_LATEST
+        assert r.headers["content-type"] == CONTENT_TYPE_PLAIN_0_0_4
+        assert "content-encoding" not in r.headers
         families = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
         assert families, "no metric families"
         # Ours, plus client_python's standard process_* and python_* collectors (the operations issue asks for them).
@@ -153,6 +164,119 @@ class TestMetrics:
         status, body = await asyncio.to_thread(get)
         assert status == 200
         assert b"stock_ledger_build_info" in body
+
+
+# What Prometheus 2.42 (Debian's, tests/containers/test_prometheus.py) sends when it scrapes.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+class TestNegotiation:
+    """/metrics answers in the format and encoding the scraper asks for (prometheus-client's own negotiation)."""
+
+    async def test_prometheus_gets_openmetrics(self, served: Served) -> None:
+        """Prometheus' Accept header prefers OpenMetrics: the body is OpenMetrics (ends in `# EOF`, counters as
+        counter families) and the OpenMetrics parser reads every family the text format has."""
+        served.metrics.applied.inc(7)
+        r = await request(served.server.port, "GET", "/metrics", accept=PROMETHEUS_ACCEPT)
+        assert r.status == 200
+        assert r.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+        assert r.body.endswith(b"# EOF\n")
+        families = {f.name: f for f in openmetrics_families(r.body.decode())}
+        assert families["stock_ledger_movements_applied"].type == "counter"
+        [applied] = [s for s in families["stock_ledger_movements_applied"].samples if s.name.endswith("_total")]
+        assert applied.value == 7
+        plain = await request(served.server.port, "GET", "/metrics")
+        # The text format shows a counter's creation time as a family of its own (`*_created`); OpenMetrics keeps it
+        # inside the counter's family.
+        assert set(families) >= {f.name for f in text_string_to_metric_families(plain.body.decode())
+                                 if f.name.startswith("stock_ledger_") and not f.name.endswith("_created")}
+        assert "accept" in r.headers["vary"].lower()
+
+    async def test_text_format_when_openmetrics_is_not_asked_for(self, served: Served) -> None:
+        """Asking for text/plain only gets text, never OpenMetrics."""
+        r = await request(served.server.port, "GET", "/metrics", accept="text/plain;version=0.0.4")
+        assert r.headers["content-type"] == CONTENT_TYPE_PLAIN_0_0_4
+        assert b"# EOF" not in r.body
+
+    @pytest.mark.parametrize("accept", ["", PROMETHEUS_ACCEPT], ids=["text", "openmetrics"])
+    async def test_gzip_when_accepted(self, served: Served, accept: str) -> None:
+        """`Accept-Encoding: gzip` gets a gzip body (Content-Encoding, Content-Length of the compressed bytes) that
+        decompresses to exactly what an uncompressed scrape of the same format returns, apart from the sample
+        values (the process collector moves between scrapes): same lines, same families."""
+        zipped = await request(served.server.port, "GET", "/metrics", accept=accept, accept_encoding="deflate, gzip")
+        plain = await request(served.server.port, "GET", "/metrics", accept=accept)
+        assert zipped.headers["content-encoding"] == "gzip"
+        assert zipped.headers["content-type"] == plain.headers["content-type"]
+        unzipped = gzip.decompress(zipped.body)
+        assert len(zipped.body) < len(unzipped)
+
+        def names(body: bytes) -> list[str]:
+            return [line.rsplit(" ", 1)[0] for line in body.decode().splitlines() if not line.startswith("process_")]
+
+        assert names(unzipped) == names(plain.body)
+
+    async def test_no_gzip_unless_accepted(self, served: Served) -> None:
+        for encoding in ("identity", "br", "x-gzip"):
+            r = await request(served.server.port, "GET", "/metrics", accept_encoding=encoding)
+            assert "content-encoding" not in r.headers, encoding
+            assert r.body.startswith(b"# HELP")
+
+    async def test_urllib_with_gzip(self, served: Served) -> None:
+        """A standard client that asks for gzip decompresses the body itself."""
+        url = f"http://127.0.0.1:{served.server.port}/metrics"
+
+        def get() -> tuple[str | None, bytes]:
+            wanted = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+            with urllib.request.urlopen(wanted, timeout=5) as response:  # noqa: S310 - local URL
+                return response.headers["Content-Encoding"], response.read()
+
+        encoding, body = await asyncio.to_thread(get)
+        assert encoding == "gzip"
+        assert b"stock_ledger_build_info" in gzip.decompress(body)
+
+
+class TestDualStack:
+    """The worker's server (host None) listens on both families through one port: IPv4-only, dual-stack and
+    IPv6-only clusters can all probe and scrape it."""
+
+    async def test_ipv4_and_ipv6_reach_the_same_port(self) -> None:
+        server = HttpServer(None, 0, CollectorRegistry(), Probe(ok=True, detail="v4 and v6"), Probe(ok=True, detail=""))
+        await server.start()
+        try:
+            for host in ("127.0.0.1", "::1"):
+                r = await request(server.port, "GET", "/healthz", host=host)
+                assert (r.status, r.body) == (200, b"ok: v4 and v6\n"), host
+        finally:
+            await server.close()
+
+    async def test_a_kernel_without_ipv6_gets_an_ipv4_socket(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Where an IPv6 socket cannot be made (ipv6.disable=1), the server still listens, on IPv4."""
+        real = socket.socket
+
+        def no_ipv6(family: int = socket.AF_INET, *args: object) -> socket.socket:
+            if family == socket.AF_INET6:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            return real(family, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(health.socket, "socket", no_ipv6)
+        sock = health.dual_stack_socket(0)
+        try:
+            assert sock.family == socket.AF_INET
+            assert sock.getsockname()[0] == "0.0.0.0"  # noqa: S104 - what is being checked
+        finally:
+            sock.close()
+
+    async def test_other_socket_errors_are_not_hidden(self) -> None:
+        """A port in use is an error to report, not a reason to fall back to IPv4."""
+        taken = health.dual_stack_socket(0)
+        try:
+            taken.listen()
+            with pytest.raises(OSError) as caught:
+                health.dual_stack_socket(taken.getsockname()[1])
+            assert caught.value.errno == errno.EADDRINUSE
+        finally:
+            taken.close()
 
 
 class TestProbes:

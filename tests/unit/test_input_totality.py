@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stock_ledger.batch import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, REJECT_COLUMNS, Record, build_batch
 from stock_ledger.domain import MAX_DEPTH, Movement, RejectCode, Rejection, nests_deeper_than, parse, pg_text
-from stock_ledger.sink import refusal
+from stock_ledger.ledger.batch import MAX_TIMESTAMP_MS, MOVEMENT_COLUMNS, REJECT_COLUMNS, Record, build_batch
+from stock_ledger.ledger.movements import refusal
 from tests.fuzz import any_record, batches, encode_with, near_valid
 
 KEY = b"SKU-1"

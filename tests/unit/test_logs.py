@@ -96,7 +96,7 @@ class TestRepeats:
         assert summary.filter(record("aiokafka.consumer.fetcher", "Unable to update metadata from %s", [1]))
         assert summary.filter(record("aiokafka.consumer.fetcher", fetch, 2, "y", level=logging.WARNING))
         assert not summary.filter(record("aiokafka.consumer.fetcher", fetch, 3, "z"))
-        assert all(summary.filter(record("stock_ledger.service", "batch.retry")) for _ in range(100))
+        assert all(summary.filter(record("stock_ledger.worker", "batch.retry")) for _ in range(100))
         clock.now += 31
         summary.flush()
         repeated = [(f["message"], lvl, f["repeated"]) for lvl, e, f in said if e == "log.repeated"]

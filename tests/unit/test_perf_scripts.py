@@ -17,15 +17,13 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from scripts import benchkit
+from scripts.benchmarks import growth, peers, soak
 
 from stock_ledger.domain import Movement, encode, parse
 from stock_ledger.produce import movements
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import benchkit  # noqa: E402 - a script, importable once scripts/ is on the path
-from benchmarks import growth, peers, soak  # noqa: E402
 
 
 def test_the_connect_envelope_carries_the_same_movement_with_a_schema_naming_every_payload_field() -> None:
@@ -124,14 +122,14 @@ async def test_disk_writes_samples_the_host_disks_written_sectors(tmp_path: Path
         pytest.skip("no /sys/block disk with a device here")
     if _filesystem(tmp_path) in {"tmpfs", "ramfs"}:
         pytest.skip(f"{tmp_path} is in memory ({_filesystem(tmp_path)}): nothing written to a disk")
-    disk.start()
+    sampling = asyncio.create_task(disk.run())
     await asyncio.sleep(0.15)
     with (tmp_path / "f").open("wb") as f:
         f.write(os.urandom(4 * 1024 * 1024))
         f.flush()
         os.fsync(f.fileno())
     await asyncio.sleep(0.25)
-    disk.stop()
+    sampling.cancel()
     taken = disk.take()
     assert taken is not None
     assert taken["written_mib"] >= 4
@@ -195,7 +193,7 @@ def test_commit_times_pairs_each_partitions_batches_with_their_commit_and_fetch_
         {"event": "batch.committed", "timestamp": "2026-12-01T10:00:00.100000Z", "batch": {"3": [0, 9, 1]}},
     ]
     log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    commits = soak.commit_times([log])
+    commits = benchkit.commit_times([log])
     lasts, ats, fetched = commits[3]
     assert lasts == [9, 19]  # in offset order, whatever the order of the lines
     assert ats == [datetime(2026, 12, 1, 10, 0, 0, 100_000, tzinfo=UTC).timestamp(),

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from stock_ledger.audit.compare import Window, compare, gone_or_unknown, history_start, runs_from_boundaries, unread
+from stock_ledger.audit.ranges import Found, Runs, clip, difference, union
+from stock_ledger.cli.args import parse_partitions, past_time
 from stock_ledger.errors import ConfigError
-from stock_ledger.ranges import Found, Runs, clip, difference
-from stock_ledger.verify import Window, compare, ledger_runs, parse_partitions, parse_since
 
 offsets = st.sets(st.integers(0, 300), max_size=120)
 
@@ -65,6 +67,46 @@ class TestDifference:
         assert expand(clip(Runs.of(sorted(a)), low, high)) == {o for o in a if low <= o <= high}
 
 
+class TestUnion:
+    @given(offsets, offsets)
+    def test_union_is_the_set_union_with_adjacent_runs_joined(self, a: set[int], b: set[int]) -> None:
+        together = list(union(Runs.of(sorted(a)), Runs.of(sorted(b))))
+        assert expand(together) == a | b
+        assert all(first <= last for first, last in together)
+        assert all(x[1] + 1 < y[0] for x, y in itertools.pairwise(together))  # disjoint, not adjacent
+
+
+class TestBelowTheLogStart:
+    """Offsets Kafka can no longer read: what the ledger knows decides (compare.unread, gone_or_unknown); verify,
+    repair and the invariant checks all judge them with these."""
+
+    def test_a_marker_the_worker_recorded_is_not_a_candidate(self) -> None:
+        """Rows 0-8 and 10-18, 9 and 19 recorded as holding no record: nothing below 20 is a candidate; a row lost
+        at 12 is."""
+        ledger = Runs.of([*range(9), *range(10, 19)])
+        assert unread(ledger, [(9, 9), (19, 19)], 0, 19) == []
+        lost = Runs.of([*range(9), 10, 11, *range(13, 19)])
+        assert unread(lost, [(9, 9), (19, 19)], 0, 19) == [(12, 12)]
+
+    def test_inside_the_known_range_a_candidate_is_gone_outside_unknown(self) -> None:
+        """Known from 100: candidates at 50 and 120-121 are unknown and gone."""
+        assert gone_or_unknown([(50, 50), (120, 121)], (100, 199)) == ([(120, 121)], [(50, 50)])
+        assert gone_or_unknown([(50, 50), (120, 121)], None) == ([], [(50, 50), (120, 121)])
+        assert gone_or_unknown([(95, 105)], (100, 199)) == ([(100, 105)], [(95, 99)])
+
+    def test_history_starts_at_the_first_thing_the_ledger_knows(self) -> None:
+        assert history_start(Runs.of([5, 6]), [(3, 4)], (10, 20)) == 3
+        assert history_start(Runs.of([5, 6]), [], (0, 20)) == 0
+        assert history_start(Runs(), [], None) is None
+
+    @given(offsets, offsets, st.integers(0, 300), st.integers(0, 300))
+    def test_unread_is_the_range_without_rows_and_non_records(self, rows: set[int], markers: set[int], low: int,
+                                                             high: int) -> None:
+        markers -= rows
+        got = unread(Runs.of(sorted(rows)), list(Runs.of(sorted(markers))), low, high)
+        assert expand(got) == set(range(low, high + 1)) - rows - markers
+
+
 class TestLedgerRuns:
     """The boundary rows PostgreSQL returns (offset, previous, next) rebuild the ledger's runs."""
 
@@ -78,7 +120,7 @@ class TestLedgerRuns:
     def test_runs_and_repeats_from_boundary_rows(self, values: list[int]) -> None:
         """Any multiset of offsets: the runs hold each distinct offset once, the repeats count the extra copies."""
         ordered = sorted(values)
-        runs, repeated = ledger_runs(self.boundaries(ordered))
+        runs, repeated = runs_from_boundaries(self.boundaries(ordered))
         assert expand(runs) == set(ordered)
         assert repeated.offsets == len(ordered) - len(set(ordered))
 
@@ -107,12 +149,12 @@ class TestCompare:
 class TestArguments:
     def test_since_takes_durations_and_iso_times(self) -> None:
         now = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
-        assert parse_since("15m", now) == datetime(2026, 11, 30, 11, 45, tzinfo=UTC)
-        assert parse_since("2d", now) == datetime(2026, 11, 28, 12, 0, tzinfo=UTC)
-        assert parse_since("2026-11-30T10:00:00", now) == datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
-        assert parse_since("2026-11-30T10:00:00+01:00").utcoffset() is not None
+        assert past_time("15m", "--since", now) == datetime(2026, 11, 30, 11, 45, tzinfo=UTC)
+        assert past_time("2d", "--since", now) == datetime(2026, 11, 28, 12, 0, tzinfo=UTC)
+        assert past_time("2026-11-30T10:00:00", "--since", now) == datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
+        assert past_time("2026-11-30T10:00:00+01:00", "--since").utcoffset() is not None
         with pytest.raises(ConfigError, match="--since 'yesterday'"):
-            parse_since("yesterday")
+            past_time("yesterday", "--since")
 
     def test_partitions_repeatable_and_comma_separated(self) -> None:
         assert parse_partitions([]) is None

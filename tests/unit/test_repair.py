@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
-from stock_ledger.ranges import merged
-from stock_ledger.repair import EXIT_GONE, PartitionRepair, RepairReport, render
+from stock_ledger.audit.ranges import merged
+from stock_ledger.audit.repair import EXIT_GONE, PartitionRepair, RepairReport, render
 
 
 def report(*partitions: PartitionRepair, dry_run: bool = False) -> RepairReport:

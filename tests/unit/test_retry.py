@@ -11,10 +11,10 @@ import pytest
 from aiokafka import errors as kafka_errors
 from asyncpg import exceptions as pg
 
-from stock_ledger import retry
+from stock_ledger.clients.servers import ReadOnlyServerError
 from stock_ledger.errors import ConfigError, FencedError, Mismatch, OffsetMismatchError, RetryDeadlineExceeded
-from stock_ledger.retry import Backoff, transient_cause
-from stock_ledger.servers import ReadOnlyServerError
+from stock_ledger.worker import retry
+from stock_ledger.worker.retry import Backoff, transient_cause
 
 
 class TestTransientCause:

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from stock_ledger.clients import check_sslmode, kafka_options
+from stock_ledger.clients.database import check_sslmode
+from stock_ledger.clients.kafka import kafka_options
 from stock_ledger.config import Settings, load_settings
 from stock_ledger.errors import ConfigError
 from tests.unit.test_config import _assert_config_exit, _cli

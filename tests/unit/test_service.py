@@ -12,8 +12,8 @@ import asyncpg
 import pytest
 from structlog.testing import capture_logs
 
-from stock_ledger.clients import quiet_lost_session_replies
-from stock_ledger.service import Worker
+from stock_ledger.clients.database import quiet_lost_session_replies
+from stock_ledger.worker import Worker
 
 pytestmark = pytest.mark.asyncio
 
@@ -54,13 +54,13 @@ class TestHealth:
     async def test_not_ready_before_the_database_and_the_group(self, make: Callable[..., Worker]) -> None:
         w = make()
         assert await w.readiness() == (False, "PostgreSQL not connected")
-        w._db_ok = True
+        await w.session.get()
         assert await w.readiness() == (False, "not yet a member of the consumer group")
 
     async def test_a_retried_fault_keeps_the_worker_live_but_not_ready(self, make: Callable[..., Worker]) -> None:
         """A transient database fault: /healthz stays 200 (the loop retries, alive), /readyz turns 503."""
         w = make(stall_seconds=1)
-        w._db_ok = True
+        await w.session.get()
         w.assignment.assigned([0])
         w.assignment.claimed(w.assignment.begin_claim(), {0: (1, 0)})
         assert (await w.readiness())[0]
@@ -73,24 +73,12 @@ class TestHealth:
 
     async def test_the_ready_gauge_follows_readiness_when_the_database_comes_back(
         self, make: Callable[..., Worker]) -> None:
-        """Ready, then a database fault (not ready), then the session is back (`_session`): stock_ledger_ready is
+        """Ready, then a database fault (not ready), then the session is back (`Session.get`): stock_ledger_ready is
         what /readyz says at every step, without a claim in between (a gauge set only on claims stayed 0)."""
         w = make()
-
-        class Session:
-            def is_closed(self) -> bool:
-                return False
-
-            def terminate(self) -> None:
-                pass
-
-        async def connect() -> Session:
-            return Session()
-
-        w._connect = connect  # type: ignore[method-assign,assignment]
         gauge = lambda: w.metrics.registry.get_sample_value("stock_ledger_ready")  # noqa: E731
         assert gauge() == 0
-        await w._session()
+        await w.session.get()
         w.assignment.assigned([0])
         w.assignment.claimed(w.assignment.begin_claim(), {0: (1, 0)})
         assert (await w.readiness())[0]
@@ -98,7 +86,7 @@ class TestHealth:
         w._on_fault("database", ConnectionResetError())
         assert not (await w.readiness())[0]
         assert gauge() == 0
-        await w._session()
+        await w.session.get()
         assert (await w.readiness())[0]
         assert gauge() == 1
 

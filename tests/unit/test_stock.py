@@ -10,8 +10,11 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from stock_ledger import cli, stock
-from stock_ledger.stock import History, Level, Movement
+from stock_ledger import cli
+from stock_ledger.cli import args
+from stock_ledger.cli import stock as commands
+from stock_ledger.clients.database import READER_SESSION
+from stock_ledger.ledger.stock import History, Level, Movement
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
 
@@ -26,7 +29,7 @@ T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
 ])
 def test_rfc3339_times_with_an_offset_are_accepted(text: str, expected: datetime) -> None:
     """Any RFC 3339 date-time with an offset (Z, z, ±hh:mm, a space for T, fractions) names one instant."""
-    parsed = stock.rfc3339(text)
+    parsed = args.rfc3339(text)
     assert parsed == expected
     assert parsed.tzinfo is not None
 
@@ -44,14 +47,14 @@ def test_rfc3339_times_with_an_offset_are_accepted(text: str, expected: datetime
 ])
 def test_anything_else_is_refused_with_an_example(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=r"RFC 3339 time with an offset.*2026-11-29T10:00:00\+01:00"):
-        stock.rfc3339(text)
+        args.rfc3339(text)
 
 
 def test_limit_must_be_a_positive_whole_number() -> None:
-    assert stock.positive_int("7") == 7
+    assert args.positive_int("7") == 7
     for bad in ("0", "-1", "1.5", "ten"):
         with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
-            stock.positive_int(bad)
+            args.positive_int(bad)
 
 
 @pytest.mark.parametrize("argv", [
@@ -104,7 +107,7 @@ def _levels() -> list[Level]:
 
 
 def test_levels_now_render_with_when_each_went_negative() -> None:
-    text = stock.render_levels(_levels(), "WH-1", at=None, negative=False)
+    text = commands.render_levels(_levels(), "WH-1", at=None, negative=False)
     lines = text.splitlines()
     assert lines[0] == "stock in warehouse WH-1, now (stock_levels)"
     assert lines[1].split() == ["sku", "on_hand", "went_negative_at"]
@@ -115,15 +118,15 @@ def test_levels_now_render_with_when_each_went_negative() -> None:
 
 def test_levels_as_of_a_time_say_which_clock() -> None:
     at = datetime(2026, 11, 29, 10, 0, tzinfo=timezone(timedelta(hours=1)))
-    text = stock.render_levels(_levels(), "WH-1", at=at, negative=True)
+    text = commands.render_levels(_levels(), "WH-1", at=at, negative=True)
     assert text.splitlines()[0] == ("negative stock in warehouse WH-1, as of 2026-11-29T10:00:00+01:00 (business "
                                     "time: Σ of movements with occurred_at <= it)")
     assert "went_negative_at" not in text
-    assert stock.render_levels([], "WH-1", at=None, negative=True).endswith(": none")
+    assert commands.render_levels([], "WH-1", at=None, negative=True).endswith(": none")
 
 
 def test_levels_json_is_one_document_with_iso_times() -> None:
-    doc = json.loads(json.dumps(stock.levels_json(_levels(), "WH-1", at=None, negative=False)))
+    doc = json.loads(json.dumps(commands.levels_json(_levels(), "WH-1", at=None, negative=False)))
     assert doc == {
         "warehouse_id": "WH-1", "as_of": None, "basis": "stock_levels", "negative_only": False,
         "levels": [{"warehouse_id": "WH-1", "sku": "SKU-A", "on_hand": 12, "went_negative_at": None},
@@ -141,7 +144,7 @@ def _history(matching: int = 2) -> History:
 
 
 def test_history_rows_carry_running_on_hand_and_kafka_coordinates() -> None:
-    lines = stock.render_history(_history(), "SKU-A", warehouse="WH-1", since=None, limit=100).splitlines()
+    lines = commands.render_history(_history(), "SKU-A", warehouse="WH-1", since=None, limit=100).splitlines()
     assert lines[0] == ("movements of SKU-A in warehouse WH-1, in application order (kafka_topic, kafka_partition, "
                         "kafka_offset)")
     assert lines[3].split()[-4:] == ["5", "5", str(uuid.UUID(int=1)), "warehouse.movements/3/40"]
@@ -150,13 +153,13 @@ def test_history_rows_carry_running_on_hand_and_kafka_coordinates() -> None:
 
 
 def test_a_cut_history_says_how_to_see_more() -> None:
-    text = stock.render_history(_history(matching=250), "SKU-A", warehouse=None, since=T0, limit=2)
+    text = commands.render_history(_history(matching=250), "SKU-A", warehouse=None, since=T0, limit=2)
     assert "that occurred at or after 2026-11-29T09:00:00+00:00" in text
     assert "showing the newest 2 of 250: raise --limit (now 2) or narrow with --since" in text
 
 
 def test_history_json_names_the_order_and_each_kafka_record() -> None:
-    doc = stock.history_json(_history(), "SKU-A", warehouse=None, since=None, limit=100)
+    doc = commands.history_json(_history(), "SKU-A", warehouse=None, since=None, limit=100)
     assert doc["order"] == "kafka_topic, kafka_partition, kafka_offset"
     assert doc["matching"] == 2
     assert [m["on_hand"] for m in doc["movements"]] == [5, -3]
@@ -167,11 +170,11 @@ def test_history_json_names_the_order_and_each_kafka_record() -> None:
 
 def test_a_slow_read_says_so_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     """A scan of a large ledger takes seconds: after the delay, one line on stderr says what is going on."""
-    asyncio.run(cli._say_when_slow(0.01))
+    asyncio.run(commands.say_when_slow(0.01))
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("stock-ledger: still reading stock_movements after 0.01s (a full scan")
 
 
 def test_cli_sessions_are_read_only_whatever_the_role() -> None:
-    assert cli.CLI_SESSION["default_transaction_read_only"] == "on"
+    assert READER_SESSION["default_transaction_read_only"] == "on"

@@ -1,17 +1,20 @@
 """Chaos drill, step 2: a fresh database and topic of the drill's own (never the release's).
 
 Drops and re-creates the database named in DATABASE_URL (its name must contain "chaos"; the role needs
-CREATEDB), applies the migrations, deletes the older drill topics (CHAOS_TOPIC_PREFIX-r*) and creates
-STOCK_LEDGER_TOPIC. Runs with the app image's Python (`python -c`).
+CREATEDB), applies the migrations, deletes STOCK_LEDGER_TOPIC (and the per-revision topics of charts before 0.2.0,
+STOCK_LEDGER_TOPIC-r*) and creates it anew: the topic's name is the same at every render (Argo CD), its records are
+this drill's only. Runs with the app image's Python (`python -c`).
 """
 
 import asyncio
 import os
 import sys
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
 
 from stock_ledger.migrate import find_migrations_dir, migrate
 
@@ -32,17 +35,26 @@ async def recreate_database(url):
     print(f"chaos-prepare: database {database} re-created", flush=True)
 
 
-async def recreate_topic(bootstrap, topic, prefix, partitions, replication):
+async def recreate_topic(bootstrap, topic, partitions, replication):
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        older = [t for t in await admin.list_topics() if t.startswith(f"{prefix}-r") and t != topic]
-        if older:
-            await admin.delete_topics(older)
-            print(f"chaos-prepare: deleted older drill topics {', '.join(sorted(older))}", flush=True)
-        if topic not in await admin.list_topics():
-            await admin.create_topics([NewTopic(topic, partitions, replication)])
-        print(f"chaos-prepare: topic {topic} ({partitions} partitions) ready", flush=True)
+        doomed = [t for t in await admin.list_topics() if t == topic or t.startswith(f"{topic}-r")]
+        if doomed:
+            await admin.delete_topics(doomed)
+            print(f"chaos-prepare: deleting {', '.join(sorted(doomed))}", flush=True)
+        # Deletion is asynchronous: creating the name again fails until the brokers have forgotten it.
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                await admin.create_topics([NewTopic(topic, partitions, replication)])
+                break
+            except TopicAlreadyExistsError:
+                if time.monotonic() > deadline:
+                    sys.exit(f"chaos-prepare: topic {topic} still exists 120 s after its deletion: check the brokers' "
+                             "delete.topic.enable and the controller's logs")
+                await asyncio.sleep(1)
+        print(f"chaos-prepare: topic {topic} ({partitions} partitions) created empty", flush=True)
     finally:
         await admin.close()
 
@@ -53,8 +65,7 @@ async def main():
     await migrate(url, find_migrations_dir(os.environ.get("STOCK_LEDGER_MIGRATIONS_DIR")))
     print("chaos-prepare: migrations applied", flush=True)
     await recreate_topic(os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["STOCK_LEDGER_TOPIC"],
-                         os.environ["CHAOS_TOPIC_PREFIX"], int(os.environ["CHAOS_PARTITIONS"]),
-                         int(os.environ["CHAOS_REPLICATION_FACTOR"]))
+                         int(os.environ["CHAOS_PARTITIONS"]), int(os.environ["CHAOS_REPLICATION_FACTOR"]))
 
 
 asyncio.run(main())

@@ -44,13 +44,35 @@ app.kubernetes.io/name={{ include "stock-ledger.name" . }},app.kubernetes.io/ins
 {{- end }}
 
 {{/*
-Labels every object shares, apart from the selector pair.
+The chart's own labels every object shares, apart from the selector pair.
 */}}
-{{- define "stock-ledger.commonLabels" -}}
+{{- define "stock-ledger.chartLabels" -}}
 helm.sh/chart: {{ include "stock-ledger.chart" . }}
 app.kubernetes.io/part-of: {{ include "stock-ledger.name" . }}
 app.kubernetes.io/version: {{ include "stock-ledger.imageTag" . | trunc 63 | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Labels every object and pod shares, apart from the selector pair: the chart's, then commonLabels (the schema keeps
+them off the chart's own keys).
+*/}}
+{{- define "stock-ledger.commonLabels" -}}
+{{ include "stock-ledger.chartLabels" . }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+An object's annotations: its own (`extra`, which win: hooks, sidecar folders) over commonAnnotations; nothing when
+both are empty. Call with (dict "ctx" $ "extra" (dict ...)).
+*/}}
+{{- define "stock-ledger.annotations" -}}
+{{- $all := merge (deepCopy (.extra | default dict)) (.ctx.Values.commonAnnotations | default dict) }}
+{{- with $all }}
+{{- toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -96,7 +118,17 @@ empty registry leaves the repository as written. Call with (dict "image" .Values
 The app image: workers, the migration hook, helm test, and the chaos drill's prepare Job and workers.
 */}}
 {{- define "stock-ledger.image" -}}
-{{- include "stock-ledger.imageRef" (dict "image" .Values.image "registry" .Values.image.registry "ctx" .) }}
+{{- include "stock-ledger.imageRef" (dict "image" .Values.image "registry" (include "stock-ledger.registry" (dict "registry" .Values.image.registry "ctx" .)) "ctx" .) }}
+{{- end }}
+
+{{/*
+The registry of an image: global.imageRegistry when a parent chart or the platform sets it (it wins, as in the
+Bitnami charts: one value moves every image of every chart to a mirror), else the image's own. Call with
+(dict "registry" "..." "ctx" $).
+*/}}
+{{- define "stock-ledger.registry" -}}
+{{- $global := (.ctx.Values.global | default dict).imageRegistry | default "" }}
+{{- default .registry $global }}
 {{- end }}
 
 {{/*
@@ -105,7 +137,7 @@ registry defaults to image.registry.
 */}}
 {{- define "stock-ledger.chaosImage" -}}
 {{- if .Values.chaos.image.repository }}
-{{- $registry := default .Values.image.registry .Values.chaos.image.registry }}
+{{- $registry := include "stock-ledger.registry" (dict "registry" (default .Values.image.registry .Values.chaos.image.registry) "ctx" .) }}
 {{- include "stock-ledger.imageRef" (dict "image" .Values.chaos.image "registry" $registry "ctx" .) }}
 {{- else }}
 {{- include "stock-ledger.image" . }}
@@ -158,6 +190,7 @@ numbers as float64, which would otherwise print 1e+06.
   "retryDeadlineSeconds" "STOCK_LEDGER_RETRY_DEADLINE_SECONDS"
   "lockTimeoutMs" "STOCK_LEDGER_LOCK_TIMEOUT_MS"
   "idleInTransactionTimeoutMs" "STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS"
+  "databaseReplyTimeoutMs" "STOCK_LEDGER_DATABASE_REPLY_TIMEOUT_MS"
   "shutdownGraceSeconds" "STOCK_LEDGER_SHUTDOWN_GRACE_SECONDS"
   "stallSeconds" "STOCK_LEDGER_STALL_SECONDS" -}}
 - name: KAFKA_BOOTSTRAP_SERVERS
@@ -175,46 +208,66 @@ numbers as float64, which would otherwise print 1e+06.
 {{- end }}
 
 {{/*
-runAsNonRoot always; the uid and gid only when set (null leaves them to the platform: OpenShift's restricted-v2
-SCC assigns a uid from the namespace's range, and the image runs under any uid). Printed as integers: Helm reads
-numbers as float64, and an OpenShift-range uid such as 1000680000 would otherwise print as 1.00068e+09.
+The uid, gid and fsGroup every pod runs with, as JSON: podSecurityContext's, unless the deprecated securityContext
+names one (it wins for one release: NOTES.txt says so). A key set to null is left to the platform (OpenShift's
+restricted-v2 SCC assigns ids from the namespace's range). fsGroup defaults to the gid: it owns the mounted Secret
+files (mode 0440), which a non-root uid could not read otherwise.
 */}}
-{{- define "stock-ledger.runAs" -}}
-runAsNonRoot: true
-{{- with .Values.securityContext.runAsUser }}
-runAsUser: {{ . | int64 }}
+{{- define "stock-ledger.ids" -}}
+{{- $old := .Values.securityContext | default dict }}
+{{- $new := .Values.podSecurityContext | default dict }}
+{{- $ids := dict }}
+{{- range $key := list "runAsUser" "runAsGroup" "fsGroup" }}
+{{- if hasKey $old $key }}
+{{- $_ := set $ids $key (get $old $key) }}
+{{- else if hasKey $new $key }}
+{{- $_ := set $ids $key (get $new $key) }}
 {{- end }}
-{{- with .Values.securityContext.runAsGroup }}
-runAsGroup: {{ . | int64 }}
 {{- end }}
+{{- if not (hasKey $ids "fsGroup") }}
+{{- $_ := set $ids "fsGroup" (get $ids "runAsGroup") }}
+{{- end }}
+{{- $set := dict }}
+{{- range $key, $value := $ids }}
+{{- if $value }}
+{{- $_ := set $set $key (int64 $value) }}
+{{- end }}
+{{- end }}
+{{- toJson $set }}
 {{- end }}
 
 {{/*
-Security context of every container of the chart; the pods set the matching pod-level fields.
-*/}}
-{{- define "stock-ledger.containerSecurityContext" -}}
-{{ include "stock-ledger.runAs" . }}
-readOnlyRootFilesystem: true
-allowPrivilegeEscalation: false
-privileged: false
-capabilities:
-  drop:
-    - ALL
-seccompProfile:
-  type: RuntimeDefault
-{{- end }}
-
-{{/*
-fsGroup (securityContext.fsGroup, else runAsGroup) owns the mounted Secret files (mode 0440): without one a
-non-root uid could not read them. With both null it is left to the platform (OpenShift assigns one).
+Security context of every pod of the chart: runAsNonRoot and RuntimeDefault seccomp, the ids above, and whatever
+else podSecurityContext sets (supplementalGroups, seLinuxOptions, ...; the schema keeps runAsNonRoot true).
 */}}
 {{- define "stock-ledger.podSecurityContext" -}}
-{{ include "stock-ledger.runAs" . }}
-{{- with default .Values.securityContext.runAsGroup .Values.securityContext.fsGroup }}
-fsGroup: {{ . | int64 }}
+{{- $own := omit (deepCopy (.Values.podSecurityContext | default dict)) "runAsUser" "runAsGroup" "fsGroup" }}
+{{- $context := merge $own (dict "runAsNonRoot" true "seccompProfile" (dict "type" "RuntimeDefault")) }}
+{{- toYaml (mergeOverwrite $context (include "stock-ledger.ids" . | fromJson)) }}
 {{- end }}
-seccompProfile:
-  type: RuntimeDefault
+
+{{/*
+Security context of every container of the chart, and the default of each sidecar and init container (a field
+the container sets wins): read-only root, no privilege escalation, every capability dropped, RuntimeDefault seccomp,
+the pod's uid and gid, merged with containerSecurityContext (the schema keeps those restrictions).
+*/}}
+{{- define "stock-ledger.containerSecurityContext" -}}
+{{- $chart := dict "runAsNonRoot" true "readOnlyRootFilesystem" true "allowPrivilegeEscalation" false "privileged" false "capabilities" (dict "drop" (list "ALL")) "seccompProfile" (dict "type" "RuntimeDefault") }}
+{{- $ids := omit (include "stock-ledger.ids" . | fromJson) "fsGroup" }}
+{{- toYaml (merge (deepCopy (.Values.containerSecurityContext | default dict)) $ids $chart) }}
+{{- end }}
+
+{{/*
+Extra containers (sidecars, initContainers), each with the chart's container securityContext under its own.
+Call with (dict "containers" .Values.sidecars "ctx" $).
+*/}}
+{{- define "stock-ledger.extraContainers" -}}
+{{- $default := include "stock-ledger.containerSecurityContext" .ctx | fromYaml }}
+{{- range .containers }}
+{{- $container := deepCopy . }}
+{{- $_ := set $container "securityContext" (merge (deepCopy ($container.securityContext | default dict)) $default) }}
+- {{ toYaml $container | nindent 2 | trim }}
+{{- end }}
 {{- end }}
 
 {{- define "stock-ledger.tmpVolume" -}}
@@ -268,6 +321,48 @@ Call with (dict "name" "kafka-ca" "secret" "..." "configMap" "..." "key" "ca.crt
 
 {{- define "stock-ledger.kafkaTls" -}}
 {{- if hasSuffix "SSL" .Values.kafka.security.protocol }}true{{ end }}
+{{- end }}
+
+{{/*
+The ledger's role names (migrate grants to them; the others name them in a missing grant's advice) where they are
+not the defaults; and, for the workers, how their URL pools sessions where it is not the default.
+*/}}
+{{- define "stock-ledger.databaseRolesEnv" -}}
+{{- $roles := .Values.database.roles | default dict }}
+{{- with $roles.app }}{{ if ne . "stock_ledger_app" }}
+- name: STOCK_LEDGER_APP_ROLE
+  value: {{ . | quote }}
+{{- end }}{{ end }}
+{{- with $roles.reader }}{{ if ne . "stock_ledger_reader" }}
+- name: STOCK_LEDGER_READER_ROLE
+  value: {{ . | quote }}
+{{- end }}{{ end }}
+{{- end }}
+
+{{- define "stock-ledger.databasePoolingEnv" -}}
+{{- if eq (.Values.database.pooling | default "session") "transaction" }}
+- name: STOCK_LEDGER_DATABASE_POOLING
+  value: "transaction"
+{{- end }}
+{{- end }}
+
+{{/*
+`helm test`'s DATABASE_URL: the workers' own, unless they go through a transaction pooler, where verify (which needs
+a session of its own) reads the migration Secret's URL instead.
+*/}}
+{{- define "stock-ledger.testDatabaseUrlEnv" -}}
+{{- if eq (.Values.database.pooling | default "session") "transaction" }}
+{{- if not .Values.database.migrationSecret }}
+{{- fail "database.pooling=transaction: helm test's verify needs a session of its own, which the workers' URL (a transaction pooler) cannot give: set database.migrationSecret to a Secret whose URL reaches PostgreSQL directly or through a session-mode pooler" }}
+{{- end }}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.database.migrationSecret }}
+      key: {{ default .Values.database.secretKey .Values.database.migrationSecretKey }}
+{{- else }}
+{{- include "stock-ledger.databaseUrlEnv" . }}
+{{- end }}
 {{- end }}
 
 {{- define "stock-ledger.databaseTlsEnv" -}}
@@ -380,10 +475,12 @@ app.kubernetes.io/name={{ printf "%s-chaos-drill" (include "stock-ledger.name" .
 {{- end }}
 
 {{/*
-The drill's topic: one per release revision, so a drill never reuses (or races the deletion of) an older one.
+The drill's topic. The same name at every render (Argo CD renders with `helm template`, where the release revision
+is always 1): the prepare Job deletes and re-creates it before each drill, so a drill never reads an older one's
+records. chaos.topicPrefix is the deprecated name of chaos.topic.
 */}}
 {{- define "stock-ledger.chaosTopic" -}}
-{{- printf "%s-r%d" .Values.chaos.topicPrefix (int .Release.Revision) }}
+{{- default .Values.chaos.topic .Values.chaos.topicPrefix }}
 {{- end }}
 
 {{/*
@@ -407,11 +504,74 @@ Environment of every drill container: the drill's database, topic and group inst
 
 {{/*
 Hook annotations of the drill's objects: created after install/upgrade in `weight` order, deleted when the drill
-ends, pass or fail (Helm deletes the earlier hooks' hook-succeeded objects when a later hook fails).
+ends, pass or fail (Helm deletes the earlier hooks' hook-succeeded objects when a later hook fails). Argo CD runs
+them as PostSync hooks in the same order (sync waves), after every sync.
 Call with (dict "weight" "-10").
 */}}
 {{- define "stock-ledger.chaosHook" -}}
 helm.sh/hook: post-install,post-upgrade
 helm.sh/hook-weight: {{ .weight | quote }}
 helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+argocd.argoproj.io/hook: PostSync
+argocd.argoproj.io/sync-wave: {{ .weight | quote }}
+argocd.argoproj.io/hook-delete-policy: BeforeHookCreation,HookSucceeded
+{{- end }}
+
+{{/*
+The read-only check's pod spec, shared by `helm test` (templates/tests/test-pod.yaml) and the Argo CD PostSync Job
+(templates/verify-job.yaml, test.postSync): wait until the workers answer /readyz (files/readiness-check.py,
+through the headless Service's DNS; no Kubernetes API access), then `stock-ledger verify --wait` read-only (no
+--expect, no produce, no kills).
+*/}}
+{{- define "stock-ledger.verifyPodSpec" -}}
+restartPolicy: Never
+automountServiceAccountToken: false
+enableServiceLinks: false
+activeDeadlineSeconds: {{ .Values.test.activeDeadlineSeconds }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- include "stock-ledger.podSecurityContext" . | nindent 2 }}
+initContainers:
+  - name: ready
+    image: {{ include "stock-ledger.image" . | quote }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["python", "-c", {{ .Files.Get "files/readiness-check.py" | quote }}]
+    env:
+      - name: WORKERS_HOST
+        value: {{ printf "%s-workers.%s.svc" (include "stock-ledger.fullname" .) .Release.Namespace | quote }}
+      - name: WORKERS_PORT
+        value: {{ .Values.metrics.port | int | quote }}
+      - name: WORKERS_EXPECTED
+        value: {{ ternary .Values.autoscaling.minReplicas .Values.replicaCount .Values.autoscaling.enabled | int | quote }}
+      - name: READY_TIMEOUT_SECONDS
+        value: {{ .Values.test.readyTimeoutSeconds | int | quote }}
+    resources:
+      {{- toYaml .Values.test.resources | nindent 6 }}
+    securityContext:
+      {{- include "stock-ledger.containerSecurityContext" . | nindent 6 }}
+    volumeMounts:
+      {{- include "stock-ledger.tmpVolumeMount" . | nindent 6 }}
+containers:
+  - name: verify
+    image: {{ include "stock-ledger.image" . | quote }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    args: ["verify", "--wait", {{ .Values.test.verifyWaitSeconds | int | quote }}]
+    env:
+      {{- include "stock-ledger.testDatabaseUrlEnv" . | nindent 6 }}
+      {{- include "stock-ledger.configEnv" . | nindent 6 }}
+      {{- with include "stock-ledger.databaseRolesEnv" . | trim }}{{ . | nindent 6 }}{{- end }}
+      {{- with include "stock-ledger.securityEnv" . | trim }}{{ . | nindent 6 }}{{- end }}
+    resources:
+      {{- toYaml .Values.test.resources | nindent 6 }}
+    securityContext:
+      {{- include "stock-ledger.containerSecurityContext" . | nindent 6 }}
+    volumeMounts:
+      {{- include "stock-ledger.tmpVolumeMount" . | nindent 6 }}
+      {{- with include "stock-ledger.securityVolumeMounts" . | trim }}{{ . | nindent 6 }}{{- end }}
+volumes:
+  {{- include "stock-ledger.tmpVolume" . | nindent 2 }}
+  {{- with include "stock-ledger.securityVolumes" . | trim }}{{ . | nindent 2 }}{{- end }}
 {{- end }}
