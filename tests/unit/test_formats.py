@@ -128,6 +128,34 @@ class TestAvroResolution:
         assert isinstance(m, Movement)
         assert (m.qty, m.kind, m.occurred_at) == (-4, "pick", AT + dt.timedelta(milliseconds=123))
 
+    @pytest.mark.parametrize("unit", ["timestamp-millis", "timestamp-micros"])
+    def test_a_timestamp_reads_the_same_instant_whether_the_schema_needs_resolving_or_not(self, unit: str) -> None:
+        """The contract's schema (read as written) and a writer that needs Avro's resolution (a nullable
+        timestamp, an int qty, an extra field with a logical type of its own) give the same movement."""
+        stamp = {"type": "long", "logicalType": unit}
+        exact = record([{"name": "movement_id", "type": {"type": "string", "logicalType": "uuid"}}, *BASE[1:5],
+                        {"name": "occurred_at", "type": stamp}])
+        resolved = record([*BASE[:3], {"name": "qty", "type": "int"}, BASE[4],
+                           {"name": "occurred_at", "type": ["null", stamp]},
+                           {"name": "on", "type": {"type": "int", "logicalType": "date"}}])
+        at = AT + dt.timedelta(milliseconds=123)
+        decoder = avro_decoder({"occurred_at": "timestamp"}, (1, exact), (2, resolved))
+        got = [decoder(b"S", avro_value(1, exact, DATUM | {"occurred_at": at})) for _ in range(2)]
+        got.append(decoder(b"S", avro_value(2, resolved, DATUM | {"occurred_at": at, "on": dt.date(2026, 1, 2)})))
+        assert [(m.occurred_at, m.qty) for m in got if isinstance(m, Movement)] == [(at, 3)] * 3, got
+        null = decoder(b"S", avro_value(2, resolved, DATUM | {"occurred_at": None, "on": dt.date(2026, 1, 2)}))
+        assert isinstance(null, Rejection)
+        assert (null.code, "schema id 2" in null.reason) == ("invalid_encoding", True)
+
+    def test_a_timestamp_outside_the_storable_range_is_out_of_range(self) -> None:
+        writer = record([*BASE[:5], {"name": "occurred_at", "type": {"type": "long",
+                                                                       "logicalType": "timestamp-micros"}}])
+        got = avro_decoder({"occurred_at": "timestamp"}, (5, writer))(
+            b"S", avro_value(5, record([*BASE[:5], {"name": "occurred_at", "type": "long"}]),
+                             DATUM | {"occurred_at": 2**62}))
+        assert isinstance(got, Rejection)
+        assert got.code == "out_of_range", got
+
     def test_bytes_that_do_not_decode_and_an_unknown_id_are_quarantined_never_raised(self) -> None:
         writer = record(BASE)
         decoder = avro_decoder({}, (1, writer))

@@ -6,6 +6,11 @@ the rest: fields are matched by name (order does not matter), fields the ledger 
 is promoted to `long` and `bytes` to `string`, a `["null", T]` union is read as T (a null is refused for that
 record). What cannot be resolved (a missing field, a float quantity, a decimal with a scale) makes the schema
 `Unreadable`, naming the schema id and the field: every record written with it is quarantined, none is guessed.
+
+Resolution costs fastavro about as much again as the decoding itself, per record: where every field the ledger reads
+is already written as the type it reads (the contract's own schema, with or without extra fields), the datum is
+read with the writer schema alone. Timestamps are read as their bare count and made datetimes here, at a fraction
+of fastavro's cost (docs/performance.md, "Declared formats").
 """
 
 from __future__ import annotations
@@ -17,22 +22,29 @@ from typing import TYPE_CHECKING, Any, Final
 
 import fastavro
 
-from stock_ledger.formats.fields import Unreadable
+from stock_ledger.formats.fields import Unreadable, epoch_time
+from stock_ledger.mapping import CONTRACT_FIELDS
 
 if TYPE_CHECKING:
     from stock_ledger.mapping import MessageMapping
 
 _INTEGERS: Final = frozenset({"int", "long"})
 _TEXT: Final = frozenset({"string", "bytes"})
-_TIMESTAMPS: Final = frozenset({"timestamp-millis", "timestamp-micros"})
+_TIMESTAMPS: Final = {"timestamp-millis": "epoch_millis", "timestamp-micros": "epoch_micros"}
+# The one logical type decoded as such: every other is read as its underlying type. A uuid is the same string (the
+# contract's check makes the UUID, in C, instead of fastavro's Python `uuid.UUID`), a timestamp the same count
+# (`AvroReader.read` makes the datetime), and a field the ledger does not read can never fail a conversion.
+_DECODED: Final = frozenset({"decimal"})
 
 
 @dataclass(frozen=True, slots=True)
 class AvroReader:
     schema_id: int
     writer: Any  # fastavro's parsed schemas
-    reader: Any
+    reader: Any  # None: the writer's fields are already what the ledger reads, no resolution
     names: dict[str, str]  # contract field -> the field's name in the value
+    timestamp_unit: str | None = None  # occurred_at written as a timestamp logical type: its epoch unit
+    as_is: bool = False  # read as written, and its fields are exactly the contract's under their own names
 
     def read(self, payload: bytes) -> dict[str, object] | str:
         """The contract's fields from one datum (before the contract's checks), or why the bytes are not one."""
@@ -42,21 +54,28 @@ class AvroReader:
             return f"value does not decode as Avro with schema id {self.schema_id}: {type(exc).__name__}: {exc}"
         if not isinstance(datum, dict):
             return f"value of schema id {self.schema_id} is not a record"
-        return {name: datum[source] for name, source in self.names.items() if source in datum}
+        # The contract's own field names and nothing else (its schema, read as written): the datum is the fields.
+        fields = datum if self.as_is else {n: datum[source] for n, source in self.names.items() if source in datum}
+        if self.timestamp_unit is not None and "occurred_at" in fields:
+            fields["occurred_at"] = epoch_time(fields["occurred_at"], self.timestamp_unit)
+        return fields
 
 
 def compile_avro(schema_id: int, text: str, mapping: MessageMapping) -> AvroReader | Unreadable:
     """The reader of one writer schema under `mapping`, or why the ledger cannot read it as the contract."""
     try:
-        writer = fastavro.parse_schema(_without_uuid(json.loads(text)))
+        document = json.loads(text)
+        writer = fastavro.parse_schema(_without_uuid(document))
+        bare_writer = fastavro.parse_schema(_bare(document))
     except Exception as exc:
         return Unreadable(f"schema id {schema_id} is not a usable Avro schema: {exc}")
     if not isinstance(writer, dict) or writer.get("type") != "record":
         return Unreadable(f"schema id {schema_id} is not an Avro record (a movement is a record of six fields)")
     named = writer.get("__named_schemas", {})
     by_name = {f["name"]: f for f in writer["fields"]}
-    fields, names = [], {}
-    for name in ("movement_id", "warehouse_id", "sku", "qty", "kind", "occurred_at"):
+    fields, names, direct = [], {}, True
+    unit: str | None = None
+    for name in CONTRACT_FIELDS:
         source = mapping.source(name)
         if not isinstance(source, str):
             continue  # a header
@@ -68,19 +87,39 @@ def compile_avro(schema_id: int, text: str, mapping: MessageMapping) -> AvroRead
         if isinstance(wanted, Unreadable):
             return Unreadable(f"schema id {schema_id} (record {writer['name']}): field {source!r} for {name} is "
                               f"{_show(core)}, {wanted.reason}")
-        fields.append({"name": source, "type": wanted})
+        if name == "occurred_at" and mapping.occurred_at == "timestamp":
+            unit = _TIMESTAMPS[core["logicalType"]]
+        direct = direct and _plain(_bare(found["type"])) == _plain(_bare(wanted))
+        fields.append({"name": source, "type": _bare(wanted)})
         names[name] = source
-    reader = fastavro.parse_schema({"type": "record", "name": writer["name"], "fields": fields})
-    return AvroReader(schema_id, writer, reader, names)
+    reader = None if direct else fastavro.parse_schema({"type": "record", "name": writer["name"], "fields": fields})
+    as_is = direct and len(writer["fields"]) == len(names) == len(CONTRACT_FIELDS) and all(
+        name == source for name, source in names.items())
+    return AvroReader(schema_id, bare_writer, reader, names, unit, as_is)
 
 
 def _without_uuid(schema: Any) -> Any:  # noqa: ANN401 - an Avro schema is JSON
-    """The schema without its `uuid` logical types: the bytes are the same string, and the contract's check makes
-    the UUID (in C) instead of fastavro's Python `uuid.UUID` per record."""
+    """The schema without its `uuid` logical types: what `compile_avro` inspects (a uuid is a string to it)."""
     if isinstance(schema, dict):
         return {k: _without_uuid(v) for k, v in schema.items() if not (k == "logicalType" and v == "uuid")}
     if isinstance(schema, list):
         return [_without_uuid(s) for s in schema]
+    return schema
+
+
+def _bare(schema: Any) -> Any:  # noqa: ANN401 - an Avro schema is JSON
+    """The schema as it is decoded: every logical type but a decimal read as its underlying type (the same bytes)."""
+    if isinstance(schema, dict):
+        return {k: _bare(v) for k, v in schema.items() if not (k == "logicalType" and v not in _DECODED)}
+    if isinstance(schema, list):
+        return [_bare(s) for s in schema]
+    return schema
+
+
+def _plain(schema: Any) -> Any:  # noqa: ANN401
+    """`{"type": "string"}` as `"string"`: the same type, for comparing a writer's field with what the ledger reads."""
+    if isinstance(schema, dict) and schema.keys() == {"type"} and isinstance(schema["type"], str):
+        return schema["type"]
     return schema
 
 

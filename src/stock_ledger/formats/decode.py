@@ -96,6 +96,9 @@ class RecordDecoder:
     registered: Mapping[int, Registered | None] = field(default_factory=dict)
     registry: str = "the schema registry"  # named in the reasons
     _readers: dict[tuple[int, tuple[int, ...]], AvroReader | ProtoReader | Unreadable] = field(default_factory=dict)
+    # An Avro value's frame (magic byte and id) -> its reader, once one was compiled for it: the steps `_value`
+    # takes to get there are the same for every record of the id, and this runs once per record.
+    _avro_frames: dict[bytes, AvroReader] = field(default_factory=dict)
     _headers: tuple[tuple[str, str], ...] = ()
     _from_value: tuple[str, ...] = ()
     _json_names: dict[str, str] = field(default_factory=dict)
@@ -169,13 +172,20 @@ class RecordDecoder:
 
     # --------------------------------------------------------------------------------------------- the value
 
-    def _value(self, value: bytes | None) -> dict[str, object] | Rejection:  # noqa: PLR0911 - idem, per value
+    def _value(self, value: bytes | None) -> dict[str, object] | Rejection:
         fmt = self.mapping.value
         if value is None:
             code = RejectCode.INVALID_JSON if fmt == "json" else RejectCode.INVALID_ENCODING
             return Rejection(code, "record has no value (a tombstone)")
         if fmt == "json":
             return self._json(value, "")
+        reader = self._avro_frames.get(value[:5])
+        fields = self._framed(value, fmt) if reader is None else reader.read(value[5:])
+        return Rejection(RejectCode.INVALID_ENCODING, fields) if isinstance(fields, str) else fields
+
+    def _framed(self, value: bytes, fmt: str) -> dict[str, object] | Rejection | str:  # noqa: PLR0911 - idem
+        """A value in the Schema Registry wire format the first time its frame is seen: the fields, a Rejection,
+        or (as a reader's `read` says it) why the bytes do not decode."""
         schema_id = framed_id(value)
         if schema_id is None:
             return Rejection(RejectCode.INVALID_ENCODING, f"value is not in the Schema Registry wire format (magic "
@@ -198,8 +208,9 @@ class RecordDecoder:
         reader = self._reader(schema, indexes)
         if isinstance(reader, Unreadable):
             return Rejection(RejectCode.INCOMPATIBLE_SCHEMA, reader.reason)
-        fields = reader.read(value[pos:])
-        return Rejection(RejectCode.INVALID_ENCODING, fields) if isinstance(fields, str) else fields
+        if isinstance(reader, AvroReader):
+            self._avro_frames[value[:5]] = reader
+        return reader.read(value[pos:])
 
     def _registered(self, schema_id: int) -> Registered | Rejection:
         if schema_id not in self.registered:
