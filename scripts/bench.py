@@ -66,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     grow.add_argument("--sizes", type=ints, default=[0, 1_000_000, 5_000_000, 20_000_000],
                       help="ledger sizes to preload, ascending (default 0,1000000,5000000,20000000)")
     grow.add_argument("--skip-scans", action="store_true", help="do not time the invariant scans (minutes at 20M)")
+    grow.add_argument("--postgres-memory", metavar="LIMIT", help="drain with PostgreSQL's processes in a memory "
+                      "cgroup of LIMIT (e.g. 3G, above shared_buffers; cgroup v1, root), page cache dropped first")
     scale.add_argument("--workers", type=ints, default=[1, 2, 3, 6], help="worker counts (default 1,2,3,6)")
     p = add("soak", soak.measure_soak, "latency, memory and invariant checks under a steady load")
     p.add_argument("--minutes", type=float, required=True, help="how long the producer runs")

@@ -6,7 +6,10 @@ ledger. How and why: docs/performance.md, "Ledger growth" and "Scale-out".
 """
 
 import argparse
+import contextlib
+import subprocess
 import time
+from pathlib import Path
 from typing import Any, Final
 
 from scripts import benchkit as kit
@@ -37,9 +40,11 @@ SELECT pg_total_relation_size('stock_movements')::float8 AS movements_total_byte
        pg_relation_size('stock_movements_movement_id_key')::float8 AS movement_id_index_bytes,
        pg_relation_size('stock_movements_coordinates_key')::float8 AS coordinates_index_bytes,
        pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes, blks_read::float8 AS blocks_read,
-       blks_hit::float8 AS blocks_hit FROM pg_stat_database WHERE datname = current_database()
+       blks_hit::float8 AS blocks_hit, (SELECT wal_fpi FROM pg_stat_wal)::float8 AS wal_fpi
+  FROM pg_stat_database WHERE datname = current_database()
 """
-IO: Final = ("wal_bytes", "blocks_read", "blocks_hit")
+IO: Final = ("wal_bytes", "wal_fpi", "blocks_read", "blocks_hit")
+CGROUP: Final = Path("/sys/fs/cgroup/memory/stock-ledger-bench")
 # The invariants' full-table scans.
 SCANS: Final = {"duplicates": "SELECT count(*) - count(DISTINCT (kafka_topic, kafka_partition, kafka_offset)) "
                               "FROM stock_movements", "level_mismatches": kit.MISMATCH_COUNT}
@@ -88,9 +93,16 @@ async def measure_growth(bench: kit.Bench, a: argparse.Namespace) -> str:
                 await conn.execute("VACUUM (ANALYZE) stock_movements")
             shared_buffers, have, runs = await conn.fetchval("SHOW shared_buffers"), size, []
         for r in range(a.repeat):
-            before = await stats(bench)
-            run = (await bench.worker(topic, f"growth-{size}-{r}", fresh=False)).result
-            after = await stats(bench)
+            if a.postgres_memory:
+                confine_postgres(a.postgres_memory)
+            try:
+                before = await stats(bench)
+                run = (await bench.worker(topic, f"growth-{size}-{r}", fresh=False)).result
+                after = await stats(bench)
+            finally:  # the bulk loads and the next steps unconfined; and the server as found afterwards
+                for pid in (CGROUP / "cgroup.procs").read_text().split() if a.postgres_memory else ():
+                    with contextlib.suppress(ProcessLookupError):  # a backend that has ended since
+                        (CGROUP.parent / "cgroup.procs").write_text(pid)
             runs.append(run | {k: v for k, v in after.items() if k not in IO} | {
                 f"{k}_per_movement": (after[k] - before[k]) / a.backlog for k in IO} | await scans(bench, a.skip_scans))
             async with bench.owner() as conn:  # the backlog forgotten again: rows, stock, offsets
@@ -98,7 +110,8 @@ async def measure_growth(bench: kit.Bench, a: argparse.Namespace) -> str:
                     await conn.execute(statement, topic)
                 await conn.execute("VACUUM (ANALYZE) stock_movements")
                 await conn.execute("VACUUM stock_levels")
-        entry: dict[str, Any] = {"ledger_movements": size, **kit.median_of(runs), "shared_buffers": shared_buffers}
+        entry: dict[str, Any] = {"ledger_movements": size, **kit.median_of(runs), "shared_buffers": shared_buffers,
+                                 "postgres_memory": a.postgres_memory or "unlimited"}
         entry["mib_per_million"] = per_million(entry["movements_total_bytes"], size + a.backlog)
         kit.say(f"growth {size:,}: {entry['rate']:,.0f}/s, {entry['mib_per_million']:,.0f} MiB per million")
         results.append(entry)
@@ -109,12 +122,29 @@ async def measure_growth(bench: kit.Bench, a: argparse.Namespace) -> str:
         [(0.7 * base, "target: 0.7 x empty")])
     return "\n".join([f"stock-ledger growth: backlog {a.backlog:,}, median of {a.repeat}", "", kit.table(
         ("ledger movements", "drain/s", "vs first", "scans s (dup + levels)", "stock_movements MiB", "MiB/M",
-         "movement_id idx MiB", "coords idx MiB"),
+         "movement_id idx MiB", "coords idx MiB", "WAL B/mvmt", "FPI/mvmt", "reads/mvmt"),
         ((f"{g['ledger_movements']:,}", f"{g['rate']:,.0f}", f"{g['rate'] / base:.2f}",
           f"{g.get('scan_duplicates_seconds', nan):.2f} + {g.get('scan_level_mismatches_seconds', nan):.2f}",
           f"{g['movements_total_bytes'] / 2**20:,.0f}", f"{g['mib_per_million']:,.0f}",
-          f"{g['movement_id_index_bytes'] / 2**20:,.0f}", f"{g['coordinates_index_bytes'] / 2**20:,.0f}")
-         for g in results)), f"(shared_buffers {results[0]['shared_buffers']})"])
+          f"{g['movement_id_index_bytes'] / 2**20:,.0f}", f"{g['coordinates_index_bytes'] / 2**20:,.0f}",
+          f"{g['wal_bytes_per_movement']:,.0f}", f"{g['wal_fpi_per_movement']:.2f}",
+          f"{g['blocks_read_per_movement']:.2f}") for g in results)),
+        f"(shared_buffers {results[0]['shared_buffers']}, PostgreSQL memory {results[0]['postgres_memory']})"])
+
+
+def confine_postgres(limit: str) -> None:
+    """Every postgres process in a memory cgroup of `limit` (its later children inherit it), the page cache dropped
+    so that it is charged anew: indexes that no longer fit, as at billions of rows on a large server."""
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(limit)
+    pids = subprocess.run(["pgrep", "-x", "postgres"], capture_output=True, text=True, check=False).stdout.split()
+    if not pids:
+        raise RuntimeError("--postgres-memory: no postgres process found (it confines the local server only)")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            (CGROUP / "cgroup.procs").write_text(pid)
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    kit.say(f"  {len(pids)} postgres processes confined to {limit}, page cache dropped")
 
 
 async def stats(bench: kit.Bench) -> dict[str, float]:
