@@ -7,14 +7,13 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from structlog.testing import capture_logs
 
 from stock_ledger.config import Settings, load_settings
 from stock_ledger.errors import StockLedgerError
 from stock_ledger.topics import watch_compaction
 from tests.support.helpers import scratch_topic
-from tests.support.services import free_port, kafka_admin
+from tests.support.services import free_port, kafka_admin, set_topic_config
 
 if TYPE_CHECKING:
     from tests.support.helpers import Services
@@ -38,8 +37,7 @@ async def test_compaction_switched_on_while_watching_raises_within_the_interval(
             await asyncio.sleep(3 * INTERVAL)
             assert not watch.done()
             async with kafka_admin(services.kafka) as admin:
-                await admin.alter_configs(
-                    [ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": "compact"})])
+                await set_topic_config(admin, topic, {"cleanup.policy": "compact"})
             altered = time.monotonic()
             with pytest.raises(StockLedgerError, match=rf"topic {topic} has cleanup.policy=compact") as raised:
                 await asyncio.wait_for(watch, timeout=INTERVAL + 5)

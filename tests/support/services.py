@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from stock_ledger import produce as load
 from stock_ledger.config import load_settings
@@ -148,6 +149,27 @@ async def kafka_admin(kafka: str) -> AsyncIterator[AIOKafkaAdminClient]:
         yield admin
     finally:
         await admin.close()
+
+
+async def set_topic_config(admin: AIOKafkaAdminClient, topic: str, configs: dict[str, str],
+                           within: float = 30) -> None:
+    """Alter a topic's configs (as an operator would) and return once the broker reports them: AlterConfigs
+    answers an error code rather than raising (a forwarded request that timed out on a loaded host), so a test
+    that ignored it would wait for a change that never happened."""
+    deadline = time.monotonic() + within
+    while True:
+        (response,) = await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+        errors = [f"{code} {message}" for code, message, *_ in response.resources if code != 0]
+        described = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, dict.fromkeys(configs))])
+        seen = {entry[0]: entry[1] for response in described
+                for _code, _message, _type, _name, entries, *_ in response.resources for entry in entries}
+        if not errors and all(seen.get(k) == v for k, v in configs.items()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"topic {topic}: configs {configs} not applied within {within}s "
+                                 f"(alter errors {errors}, described {seen})")
+        await asyncio.sleep(0.5)
 
 
 async def create_topic(kafka: str, name: str, partitions: int) -> None:
