@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import asyncpg
 import structlog
@@ -31,13 +31,18 @@ from stock_ledger.errors import (
     StockLedgerError,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
 log = structlog.get_logger(__name__)
 
 # Raise this when a migration is added: the worker refuses to run against an older schema.
-SCHEMA_VERSION: Final = 13
+SCHEMA_VERSION: Final = 14
 # pg_advisory_lock key: "stock-ledger migrate" as a stable 63-bit number.
 _LOCK_KEY: Final = int.from_bytes(hashlib.sha256(b"stock-ledger migrate").digest()[:8], "big") >> 1
 _FILE: Final = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_ONLINE: Final = "-- stock-ledger: online\n"
+_STEP: Final = re.compile(r"^-- step: *(\S+) *$", re.MULTILINE)
 
 _BOOKKEEPING: Final = """
 CREATE TABLE IF NOT EXISTS schema_migrations (
@@ -89,6 +94,17 @@ class Migration:
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def online(self) -> bool:
+        """Marked `-- stock-ledger: online` on its first line: its `-- step: NAME` sections run as transactions of
+        their own (one copies a table while the workers write), each safe to run again."""
+        return self.sql.startswith(_ONLINE)
+
+    def steps(self) -> list[tuple[str, str]]:
+        """(name, SQL) of each `-- step:` section, in order."""
+        parts = _STEP.split(self.sql)[1:]
+        return [(parts[i].strip(), parts[i + 1]) for i in range(0, len(parts), 2)]
 
 
 def find_migrations_dir(configured: str | None) -> Path:
@@ -215,29 +231,73 @@ async def _apply_one(conn: asyncpg.Connection, m: Migration, options: MigrateOpt
     worker statement on that table behind ours (PostgreSQL grants locks in arrival order): the whole fleet would
     stall for as long as we wait. So wait at most lock_timeout, give the lock back, and try again.
     """
+    if m.online:
+        await _apply_online(conn, m, options, roles)
+        return
+
+    async def whole() -> None:
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = {int(options.lock_timeout_ms)}")
+            await conn.execute(f"SET LOCAL statement_timeout = {int(options.statement_timeout_ms)}")
+            await conn.execute(roles.apply(m.sql))
+            await _record(conn, m)
+
+    await _patiently(whole, m.name, options, started)
+
+
+async def _record(conn: asyncpg.Connection, m: Migration) -> None:
+    await conn.execute("INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                       m.version, m.name, m.checksum)
+
+
+async def _apply_online(conn: asyncpg.Connection, m: Migration, options: MigrateOptions,
+                        roles: Roles) -> None:
+    """Each step in its own transaction (a step that commits as it goes, a CALL, in as many as it needs), each
+    waiting at most lock_timeout for a lock and tried again like a whole migration; no statement_timeout (a copy of
+    a large table takes minutes: it shows its progress instead). Recorded as applied after the last step."""
+
+    def progress(_conn: object, message: asyncpg.PostgresLogMessage) -> None:
+        log.info("migration.progress", migration=m.name, detail=message.message)
+
+    conn.add_log_listener(progress)
+    try:
+        await conn.execute(f"SET lock_timeout = {int(options.lock_timeout_ms)}")
+        await conn.execute("SET statement_timeout = 0")
+        for name, sql in m.steps():
+            log.info("migration.step", migration=m.name, step=name)
+            step_started = time.monotonic()
+
+            async def run(sql: str = sql) -> None:
+                await conn.execute(roles.apply(sql))
+
+            await _patiently(run, f"{m.name} (step {name})", options, step_started)
+            log.info("migration.step_done", migration=m.name, step=name,
+                     seconds=round(time.monotonic() - step_started, 1))
+        await _record(conn, m)
+    finally:
+        conn.remove_log_listener(progress)
+        await conn.execute("RESET lock_timeout; RESET statement_timeout")
+
+
+async def _patiently(attempt_once: Callable[[], Awaitable[None]], what: str, options: MigrateOptions,
+                     started: float) -> None:
+    """Run `attempt_once` until it gets its locks (each try waits at most lock_timeout), or the deadline passes."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            async with conn.transaction():
-                await conn.execute(f"SET LOCAL lock_timeout = {int(options.lock_timeout_ms)}")
-                await conn.execute(f"SET LOCAL statement_timeout = {int(options.statement_timeout_ms)}")
-                await conn.execute(roles.apply(m.sql))
-                await conn.execute(
-                    "INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-                    m.version, m.name, m.checksum,
-                )
+            await attempt_once()
         except asyncpg.LockNotAvailableError as exc:
             waited = time.monotonic() - started
             if waited > options.deadline_seconds:
                 raise StockLedgerError(
-                    f"migration {m.name} could not get its locks within {options.deadline_seconds:g}s "
+                    f"migration {what} could not get its locks within {options.deadline_seconds:g}s "
                     f"(STOCK_LEDGER_MIGRATE_DEADLINE_SECONDS; each try waits STOCK_LEDGER_MIGRATE_LOCK_TIMEOUT_MS="
                     f"{options.lock_timeout_ms}): a long transaction holds them; find it in pg_stat_activity "
                     "(state 'idle in transaction' or a long query) and end it, then run migrate again"
                 ) from exc
             delay = _delay(attempt)
-            log.info("migration.lock_timeout", migration=m.name, attempt=attempt, waited_seconds=round(waited, 1),
+            log.info("migration.lock_timeout", migration=what, attempt=attempt, waited_seconds=round(waited, 1),
                      lock_timeout_ms=options.lock_timeout_ms, retry_in_seconds=round(delay, 1), error=str(exc))
             await asyncio.sleep(delay)
         else:
