@@ -163,6 +163,10 @@ class Metrics:
                  "Records between the PostgreSQL offset and the log that can never be applied: below the log start "
                  "(retention, deleted records) or past its end (topic recreated). Non-zero: a hole.", _PART,
                  leader=True)
+    segment_headroom = _gauge(
+        "segment_headroom",
+        "Segments of stock_movements made ahead of this worker's last batch of the partition (0.5 to 1.5 while the "
+        "worker keeps them; below 0.25 the calls that make them are failing; at 0 batches wait for one).", _PART)
     assigned_partitions = _gauge("assigned_partitions", "Partitions claimed by this worker.")
     ready = _gauge("ready", "1 when connected and every assigned partition is claimed.")
     last_commit = _gauge("last_commit_timestamp_seconds", "Unix time of the last batch commit.")

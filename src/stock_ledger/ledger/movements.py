@@ -13,6 +13,7 @@ quarantined as `database_rejected` with the server's message and the rest commit
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
@@ -46,10 +47,22 @@ log = structlog.get_logger(__name__)
 
 Row = tuple[Any, ...]
 
-MOVEMENT_ID_KEY: Final = "stock_movements_movement_id_key"  # migrations/0001_ledger.sql
-COORDINATE_KEYS: Final = frozenset({"stock_movements_coordinates_key", "rejected_movements_coordinates_key"})
-# Our own uniqueness backstops: they mean a resend or a regression, handled by the callers, never a bad value.
-BACKSTOPS: Final = COORDINATE_KEYS | {MOVEMENT_ID_KEY}
+# The movement_id registry's key (migrations/0014_segments.sql; the table's own before it): the trigger that fills
+# the registry raises unique_violation under this name for a movement_id already in the ledger.
+MOVEMENT_ID_KEY: Final = "stock_movements_movement_id_key"
+# A conflict on the coordinates names the segment's key (stock_movements_p<partition>_o<first offset>_coordinates_key,
+# migration 0014), or the table's.
+_COORDINATE_KEY: Final = re.compile(
+    r"(stock_movements|rejected_movements|stock_movements_p\d+_o\d+)_coordinates_key")
+
+
+def is_coordinates_key(constraint: str | None) -> bool:
+    return constraint is not None and _COORDINATE_KEY.fullmatch(constraint) is not None
+
+
+def is_backstop(constraint: str | None) -> bool:
+    """Our own uniqueness backstops: they mean a resend or a regression, handled by the callers, never a bad value."""
+    return constraint == MOVEMENT_ID_KEY or is_coordinates_key(constraint)
 
 # ------------------------------------------------------------------------------------------ the batch's writes
 
@@ -58,8 +71,10 @@ BACKSTOPS: Final = COORDINATE_KEYS | {MOVEMENT_ID_KEY}
 # seconds per batch after a few hundred thousand rows (docs/performance.md, "Latency").
 _KNOWN_IDS: Final = """
 SELECT k.movement_id FROM unnest($1::uuid[]) AS u(id)
-CROSS JOIN LATERAL (SELECT m.movement_id FROM stock_movements AS m WHERE m.movement_id = u.id LIMIT 1) AS k
+CROSS JOIN LATERAL (SELECT m.movement_id FROM movement_ids AS m WHERE m.movement_id = u.id LIMIT 1) AS k
 """
+# PostgreSQL's message when no segment holds a row's coordinates (migrations/0014_segments.sql).
+NO_SEGMENT: Final = 'no partition of relation "stock_movements" found for row'
 # went_negative_at: set when a level goes below zero, kept while it stays there, cleared when it recovers
 # (migration 0004; its CHECK refuses a row where the two disagree).
 _ADD_LEVELS: Final = """
@@ -119,7 +134,7 @@ def without_present(batch: Batch, present: set[tuple[int, int]]) -> Batch:
 
 
 async def known_movement_ids(conn: asyncpg.Connection, ids: Sequence[Any]) -> set[Any]:
-    """The movement_ids among `ids` already in stock_movements."""
+    """The movement_ids among `ids` already in the ledger (the registry keeps them after their rows leave)."""
     return {r[0] for r in await conn.fetch(_KNOWN_IDS, list(ids))} if ids else set()
 
 
@@ -140,13 +155,20 @@ def without_known(batch: Batch, known: set[Any]) -> tuple[list[Row], list[Row]]:
     return movements, rejects
 
 
+def no_segment(exc: BaseException) -> bool:
+    """PostgreSQL found no segment of stock_movements for a row's coordinates (segments.py makes them)."""
+    return isinstance(exc, asyncpg.CheckViolationError) and str(exc).startswith(NO_SEGMENT)
+
+
 def refusal(exc: BaseException) -> str | None:
     """What was wrong, if `exc` is PostgreSQL or the driver refusing a value (so the same rows fail again on every
     retry); None for anything else (faults, fencing, our own uniqueness backstops)."""
     if isinstance(exc, asyncpg.PostgresError):
         state = exc.sqlstate or ""
         # 22: data exception (encoding, range, format); 54: program limit (row too big); 23: a constraint.
-        if state[:2] in {"22", "54"} or (state[:2] == "23" and getattr(exc, "constraint_name", None) not in BACKSTOPS):
+        if no_segment(exc):
+            return None  # no segment for these offsets yet: the caller makes one and tries again (segments.py)
+        if state[:2] in {"22", "54"} or (state[:2] == "23" and not is_backstop(getattr(exc, "constraint_name", None))):
             return f"PostgreSQL refused the row ({state}): {exc}"
         return None
     # Client side, inside COPY: asyncpg's encoders raise DataError (a ValueError), UnicodeEncodeError (a lone
@@ -245,9 +267,10 @@ SELECT id, kafka_topic, kafka_partition, kafka_offset, kafka_timestamp, key, val
  ORDER BY id LIMIT $3
    FOR UPDATE SKIP LOCKED
 """
-# ON CONFLICT DO NOTHING: a movement_id already in the ledger (an upstream resend, or a copy applied meanwhile by a
-# worker) is skipped and its row stays quarantined. The coordinates cannot conflict: the record is in
-# rejected_movements, and the worker writes each coordinate to exactly one table.
+# A movement_id already in the ledger (an upstream resend, or a copy applied meanwhile by a worker) is left out
+# before the INSERT (insert_replayed) and its row stays quarantined: the registry's trigger would refuse the whole
+# statement. ON CONFLICT DO NOTHING for the coordinates, which cannot conflict: the record is in rejected_movements,
+# and the worker writes each coordinate to exactly one table.
 _INSERT_REPLAYED: Final = """
 INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, kafka_partition,
                              kafka_offset, kafka_timestamp)
@@ -287,9 +310,14 @@ async def lock_rejected(conn: asyncpg.Connection, after_id: int, reason: str | N
 async def insert_replayed(conn: asyncpg.Connection, movements: Sequence[Row]) -> set[tuple[str, int, int]]:
     """Insert replayed movements at their original coordinates; the coordinates inserted (a movement_id already
     in the ledger is not)."""
-    if not movements:
+    known = await known_movement_ids(conn, [m[M_ID] for m in movements])
+    fresh: dict[Any, Row] = {}
+    for m in movements:
+        if m[M_ID] not in known:
+            fresh.setdefault(m[M_ID], m)  # the first of two quarantined copies of one movement
+    if not fresh:
         return set()
-    columns = list(zip(*movements, strict=True))
+    columns = list(zip(*fresh.values(), strict=True))
     return {(x["kafka_topic"], x["kafka_partition"], x["kafka_offset"])
             for x in await conn.fetch(_INSERT_REPLAYED, *columns)}
 

@@ -38,6 +38,7 @@ from stock_ledger.errors import CoordinateConflictError, FencedError, Mismatch, 
 from stock_ledger.ledger import movements as rows
 from stock_ledger.ledger import offsets, pgtime
 from stock_ledger.ledger.batch import M_ID, R_CODE
+from stock_ledger.ledger.segments import Segments
 
 if TYPE_CHECKING:
     from stock_ledger.faults import Faults
@@ -80,12 +81,25 @@ class Ledger:
         self.faults = faults
         # Sessions that take batch rows' timestamps in their wire form (pgtime.install, once per session).
         self._wire_sessions: weakref.WeakSet[asyncpg.Connection] = weakref.WeakSet()
+        self.segments = Segments()
 
     async def apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
         """THE batch transaction. Raises FencedError, OffsetMismatchError or CoordinateConflictError."""
         if conn not in self._wire_sessions:
             await pgtime.install(conn)
             self._wire_sessions.add(conn)
+        through = {x.partition: x.next_offset for x in batch.slices}
+        await self.segments.ensure(conn, through)  # before the transaction: segments ahead of its rows
+        try:
+            return await self._apply(conn, batch)
+        except asyncpg.CheckViolationError as exc:
+            if not rows.no_segment(exc):
+                raise
+            # A segment this session counted on is gone (a restore, someone's DDL): made again, tried again.
+            await self.segments.ensure(conn, through, force=True)
+            return await self._apply(conn, batch)
+
+    async def _apply(self, conn: asyncpg.Connection, batch: Batch) -> Outcome:
         look_up = isolate = False
         lookups = 0
         try:
@@ -95,7 +109,7 @@ class Ledger:
                     break
                 except Exception as exc:
                     if (isinstance(exc, asyncpg.UniqueViolationError) and lookups < _LOOKUPS and (
-                            exc.constraint_name in rows.COORDINATE_KEYS
+                            rows.is_coordinates_key(exc.constraint_name)
                             or (exc.constraint_name == rows.MOVEMENT_ID_KEY and not look_up))):
                         # An upstream resend, or coordinates written outside the guard (again, if written between
                         # the lookup and the COPY): rolled back; redo it, leaving out the coordinates already
@@ -109,7 +123,7 @@ class Ledger:
         except _AlreadyApplied:
             return Outcome(0, Counter(), already_applied=True)
         except asyncpg.UniqueViolationError as exc:
-            if exc.constraint_name in rows.COORDINATE_KEYS:
+            if rows.is_coordinates_key(exc.constraint_name):
                 raise CoordinateConflictError(
                     f"{exc.constraint_name}: records of this batch kept appearing in the ledger, written by someone "
                     f"else while the batch ran, after {_LOOKUPS} lookups; stop the other writer (see "

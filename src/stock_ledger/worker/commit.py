@@ -103,6 +103,9 @@ class BatchWriter:
         if outcome.present:
             self._coordinates_present(outcome.present)
         self.assignment.committed({x.partition: x.next_offset for x in batch.slices})
+        for x in batch.slices:
+            if (headroom := self.ledger.segments.headroom(x.partition, x.next_offset)) is not None:
+                self.metrics.segment_headroom.labels(self.ledger.group_id, batch.topic, str(x.partition)).set(headroom)
         for code, n in outcome.rejected.items():
             log.warning("batch.rejected", reason=code, records=n)
         self.metrics.batch_committed(outcome.applied, outcome.rejected, batch.size, seconds, batch.times_ms)
