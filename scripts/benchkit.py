@@ -276,6 +276,10 @@ async def timed_until(progress: Callable[[], Awaitable[int]], total: int, within
     return first or now, now
 
 
+# Segments of stock_movements for rows loaded by hand (migrations/0014_segments.sql): partitions, highest offsets.
+SEGMENTS: Final = "SELECT count(*) FROM stock_ledger_ensure_segments($1::int[], $2::bigint[])"
+
+
 async def bulk_load(conn: asyncpg.Connection, table: str, statement: str, chunks: Iterable[tuple[Any, ...]], *,
                     maintenance_work_mem: str = "256MB") -> None:
     """`statement` per chunk's arguments, the table's unique constraints dropped: a sort builds them back faster."""

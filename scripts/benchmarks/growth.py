@@ -35,10 +35,12 @@ UPDATE stock_levels AS l SET on_hand = l.on_hand - s.total,
 """
 # Sizes, WAL written so far and this database's shared-buffer reads and hits (the WAL counter is server-wide).
 _SIZES: Final = """
-SELECT pg_total_relation_size('stock_movements')::float8 AS movements_total_bytes,
-       pg_relation_size('stock_movements')::float8 AS movements_heap_bytes,
+SELECT (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('stock_movements'))::float8
+           AS movements_total_bytes,
+       (SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree('stock_movements'))::float8 AS movements_heap_bytes,
        pg_relation_size('stock_movements_movement_id_key')::float8 AS movement_id_index_bytes,
-       pg_relation_size('stock_movements_coordinates_key')::float8 AS coordinates_index_bytes,
+       (SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree('stock_movements_coordinates_key'))::float8
+           AS coordinates_index_bytes,
        pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes, blks_read::float8 AS blocks_read,
        blks_hit::float8 AS blocks_hit, (SELECT wal_fpi FROM pg_stat_wal)::float8 AS wal_fpi
   FROM pg_stat_database WHERE datname = current_database()
@@ -87,6 +89,7 @@ async def measure_growth(bench: kit.Bench, a: argparse.Namespace) -> str:
         kit.say(f"growth: ledger of {size:,} movements")
         async with bench.owner() as conn:
             if size > have:
+                await conn.execute(kit.SEGMENTS, list(range(24)), [size // 24] * 24)
                 await kit.bulk_load(conn, "stock_movements", _PRELOAD, [
                     (lo, min(size, lo + 1_000_000)) for lo in range(have, size, 1_000_000)], maintenance_work_mem="1GB")
                 await conn.execute(kit.LEVELS_FROM_MOVEMENTS)

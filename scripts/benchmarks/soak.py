@@ -83,11 +83,10 @@ with open(sys.argv[1], "w") as f:
 
 async def preload(conn: asyncpg.Connection, topic: str, group: str, ends: dict[int, int]) -> None:
     """The ledger of the topic: its movements, stock_levels their sums, the stored offsets at the log end."""
-    # UNLOGGED: no WAL (GBs at 20M, checkpoints for all); verify and the checks read it like a logged table.
     for statement in ("SET max_parallel_workers_per_gather = 0", "SET max_parallel_maintenance_workers = 0",
-                      "SET synchronous_commit = off",
-                      "ALTER TABLE stock_movements SET UNLOGGED", "DROP INDEX stock_movements_applied_at_brin"):
+                      "SET synchronous_commit = off", "DROP INDEX stock_movements_applied_at_brin"):
         await conn.execute(statement)
+    await conn.execute(kit.SEGMENTS, list(ends), list(ends.values()))
     await kit.bulk_load(conn, "stock_movements", _AT_COORDINATES, [(topic, p, n, PARTITIONS) for p, n in ends.items()])
     await conn.execute("CREATE INDEX stock_movements_applied_at_brin ON stock_movements USING brin (applied_at)")
     await conn.execute(kit.LEVELS_FROM_MOVEMENTS)

@@ -58,6 +58,7 @@ CONTRACT_GAUGES = frozenset(
         "stock_ledger_ledger_missing_records",
         "stock_ledger_negative_stock_levels",
         "stock_ledger_negative_stock_units",
+        "stock_ledger_segment_headroom",
         "stock_ledger_build_info",
     }
 )

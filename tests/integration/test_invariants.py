@@ -27,7 +27,7 @@ from stock_ledger.cli.rejected import replay as rejected_replay
 from stock_ledger.config import Settings
 from stock_ledger.metrics import Metrics
 from stock_ledger.worker.monitor import PositionMonitor
-from tests.support.helpers import topic_offsets
+from tests.support.helpers import make_segments, topic_offsets
 from tests.support.services import kafka_admin
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ async def conn(database: Env) -> AsyncIterator[asyncpg.Connection]:
     c = await asyncpg.connect(database.owner_url)
     await c.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
                        SELECT $1, $2, p, 0 FROM generate_series(0, 3) AS p""", GROUP, TOPIC)
+    await make_segments(c, range(4))  # these tests write rows by hand, not all through batch()
     yield c
     await c.close()
 
@@ -137,6 +138,7 @@ async def apply_offsets(conn: asyncpg.Connection, topic: str, partition: int, of
                         *, stored: int | None = None) -> None:
     """A worker's batch over exactly these offsets (others, such as transaction markers, have no record), in one
     transaction: the rows, their levels, the stored offset (`stored`, default the last offset + 1)."""
+    await make_segments(conn, {partition: max(offsets)})
     async with conn.transaction():
         await conn.execute("""
             INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic,
@@ -262,6 +264,7 @@ async def test_rows_an_operator_writes_below_the_stored_offset_are_counted(
     check's snapshot) and reports no mismatch; the check after it does not count it again."""
     await owner.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
                            VALUES ($1, $2, 0, 0)""", GROUP, TOPIC)
+    await make_segments(owner, [0])
     async with owner.transaction():
         await batch(owner, 0, 10)
     value = json.dumps({"movement_id": str(uuid.uuid4()), "warehouse_id": "WH-1", "sku": "SKU-7", "qty": 11,
@@ -399,6 +402,7 @@ async def test_a_replay_leaves_the_alerts_series_at_0(owner: asyncpg.Connection,
     stock_ledger_ledger_stock_level_mismatches and stock_ledger_ledger_missing_records stay 0."""
     await owner.execute("""INSERT INTO consumer_offsets (group_id, topic, partition, next_offset)
                            VALUES ($1, $2, 0, 0)""", GROUP, TOPIC)
+    await make_segments(owner, [0])
     async with owner.transaction():
         await batch(owner, 0, 10)
     value = json.dumps({"movement_id": str(uuid.uuid4()), "warehouse_id": "WH-1", "sku": "SKU-7", "qty": -4,

@@ -111,6 +111,7 @@ async def ledgers(services: Services) -> AsyncIterator[dict[str, Ledger]]:
                            f"CREATE ROLE {ledger.worker} LOGIN PASSWORD '{PASSWORD}' IN ROLE {ledger.app}",
                            f"CREATE ROLE {ledger.person} LOGIN PASSWORD '{PASSWORD}' IN ROLE {ledger.reader}")
                 await migrate(ledger.owner_url, find_migrations_dir(None), roles=Roles(ledger.app, ledger.reader))
+                await _sql(ledger.owner_url, "SELECT stock_ledger_ensure_segments('{0}', '{0}')")  # rows by hand
             yield {"a": made[0], "b": made[1]}
     finally:
         for ledger in made:
@@ -143,6 +144,7 @@ async def test_a_worker_of_one_ledger_cannot_write_another_ledgers_tables(
     3. Against that, the default names: the tests' `stock_ledger_worker` (a member of stock_ledger_app) writes a
        default-migrated ledger, and so every such ledger on the cluster; it may not write either of these two."""
     a, b = ledgers["a"], ledgers["b"]
+    await _sql(database.owner_url, "SELECT stock_ledger_ensure_segments('{0}', '{0}')")  # as in `ledgers`
     for ledger in (a, b):
         assert await _privileges(ledger.owner_url, ledger.app) == await _privileges(database.owner_url,
                                                                                     "stock_ledger_app")

@@ -21,7 +21,17 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.structs import TopicPartition
 
-from tests.support.helpers import Env, Services, WorkerPool, assert_exact, eventually, movement, send_raw, wait_drained
+from tests.support.helpers import (
+    Env,
+    Services,
+    WorkerPool,
+    assert_exact,
+    eventually,
+    make_segments,
+    movement,
+    send_raw,
+    wait_drained,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -352,6 +362,7 @@ class TestOffsets:
         await send_to(services.kafka, topic, PARTITION, 10)
         claim = await asyncpg.connect(database.owner_url)
         try:
+            await make_segments(claim, [PARTITION])  # as the worker does before its batch
             tx = claim.transaction()
             await tx.start()
             await claim.execute(

@@ -73,11 +73,20 @@ class Env:
     name: str
 
 
+async def make_segments(conn: asyncpg.Connection, through: dict[int, int] | range | list[int]) -> None:
+    """Segments of stock_movements for rows a test writes by hand (as the worker makes them before its batches):
+    `through` maps partition -> the highest offset written, or lists partitions written from offset 0."""
+    through = through if isinstance(through, dict) else dict.fromkeys(through, 0)
+    await conn.execute("SELECT count(*) FROM stock_ledger_ensure_segments($1, $2)", list(through),
+                       list(through.values()))
+
+
 async def insert_foreign_row(owner_url: str, topic: str, partition: int, offset: int) -> None:
     """A stock_movements row at these coordinates that no batch wrote (as the owner): a later batch that brings
     the same coordinates must collide with it."""
     owner = await asyncpg.connect(owner_url)
     try:
+        await make_segments(owner, {partition: offset})
         await owner.execute(
             "INSERT INTO stock_movements (movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, "
             "kafka_partition, kafka_offset) VALUES ($1, 'WH-1', 'SKU-1', 1, 'receipt', now(), $2, $3, $4)",

@@ -38,6 +38,7 @@ CONTRACT = {
     "stock_ledger_ledger_missing_records": ("gauge", set()),
     "stock_ledger_negative_stock_levels": ("gauge", set()),
     "stock_ledger_negative_stock_units": ("gauge", set()),
+    "stock_ledger_segment_headroom": ("gauge", PART),
     "stock_ledger_build_info": ("gauge", {"version", "python", "aiokafka", "asyncpg"}),
     "stock_ledger_movements_applied_total": ("counter", set()),
     "stock_ledger_movements_rejected_total": ("counter", {"reason"}),
@@ -77,6 +78,7 @@ def exposition(metrics: Metrics) -> str:
         metrics.drift,
         metrics.gap,
         metrics.lag_seconds,
+        metrics.segment_headroom,
     ):
         gauge.labels("stock-ledger", "warehouse.movements", "0").set(1)
     return generate_latest(metrics.registry).decode()
