@@ -44,9 +44,11 @@ FAST = {"STOCK_LEDGER_SESSION_TIMEOUT_MS": "4000", "STOCK_LEDGER_LOCK_TIMEOUT_MS
         "STOCK_LEDGER_IDLE_IN_TRANSACTION_TIMEOUT_MS": "5000"}
 MISMATCHES = "stock_ledger_offset_mismatches_total"
 # A restore puts back every table but the migrations' own bookkeeping: the whole ledger state of time T, whatever
-# tables the migrations have added (rows, quarantine, levels, offsets, gaps, audit trails).
-_LEDGER_TABLES = """SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'schema_migrations'
-    ORDER BY tablename"""
+# tables the migrations have added (rows, quarantine, levels, offsets, gaps, audit trails). stock_movements as one
+# table (its segments are its storage), and not movement_ids: stock_movements' triggers empty it with the TRUNCATE
+# and fill it again with the rows.
+_LEDGER_TABLES = """SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace AND relkind IN ('r', 'p')
+    AND NOT relispartition AND relname NOT IN ('schema_migrations', 'movement_ids') ORDER BY relname"""
 
 
 async def stored_total(db: Env, group: str, topic: str) -> int:
@@ -390,7 +392,7 @@ async def take_snapshot(owner_url: str) -> tuple[Snapshot, dict[int, int], int]:
                     "SELECT column_name FROM information_schema.columns WHERE table_schema = 'public' "
                     "AND table_name = $1 AND is_generated = 'NEVER' ORDER BY ordinal_position", table)]
                 out = io.BytesIO()
-                await conn.copy_from_table(table, columns=columns, output=out, format="binary")
+                await conn.copy_from_query(f"SELECT {', '.join(columns)} FROM {table}", output=out, format="binary")
                 snapshot[table] = (columns, out.getvalue())
             epochs = {r[0]: r[1] for r in await conn.fetch("SELECT partition, epoch FROM consumer_offsets")}
             stored = int(await conn.fetchval("SELECT coalesce(sum(next_offset), 0) FROM consumer_offsets"))

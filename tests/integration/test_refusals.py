@@ -22,7 +22,7 @@ from stock_ledger.domain import RejectCode
 from stock_ledger.faults import Faults
 from stock_ledger.ledger.batch import MOVEMENT_COLUMNS, Batch, Record, build_batch
 from stock_ledger.ledger.transaction import Ledger
-from tests.support.helpers import FROM_ZERO, Env, claims_of, insert_foreign_row, movement
+from tests.support.helpers import FROM_ZERO, Env, claims_of, insert_foreign_row, make_segments, movement
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 TOPIC = "warehouse.movements"
@@ -174,11 +174,14 @@ async def test_our_own_uniqueness_backstops_are_not_refusals(conn: asyncpg.Conne
 
 
 async def test_a_unique_index_someone_added_is_a_refusal_not_a_crash(conn: asyncpg.Connection, database: Env) -> None:
-    """A unique index that is not one of our backstops (added by hand: one row per warehouse, sku and qty) refuses
-    9 of 10 identical-looking movements: the first is applied, the other 9 are database_rejected, offsets move."""
+    """A unique index that is not one of our backstops (added by hand: one row per warehouse, sku and qty, on the
+    segment that holds partition 0's first offsets, since one across segments would have to hold the coordinates)
+    refuses 9 of 10 identical-looking movements: the first is applied, the other 9 are database_rejected, offsets
+    move."""
     owner = await asyncpg.connect(database.owner_url)
     try:
-        await owner.execute("CREATE UNIQUE INDEX one_per_qty ON stock_movements (warehouse_id, sku, qty)")
+        await make_segments(owner, [0])
+        await owner.execute("CREATE UNIQUE INDEX one_per_qty ON stock_movements_p0_o0 (warehouse_id, sku, qty)")
     finally:
         await owner.close()
     ledger = Ledger("g", Faults(None))
