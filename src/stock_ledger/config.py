@@ -265,6 +265,10 @@ class Settings:
     migrate_deadline_seconds: float = 240.0
     migrate_lock_timeout_ms: int = 2_000
     migrate_statement_timeout_ms: int = 600_000
+    # `stock-ledger archive` (docs/operations.md, "Retention and archival"): where archives are written, and how many
+    # days of movements stay online (None: archival is off; `archive run` refuses and says so).
+    archive_dir: str | None = None
+    retention_days: int | None = None
     # Test-only crash points, see faults.py. Never set in production.
     fault: str | None = None
     # Connection security (docs/security.md); secrets stay out of repr and are masked in loggable().
@@ -496,6 +500,12 @@ VARIABLES: Final[tuple[Variable, ...]] = (
              "each migration's `lock_timeout`: a try that waits longer rolls back and is retried"),
     Variable("STOCK_LEDGER_MIGRATE_STATEMENT_TIMEOUT_MS", "migrate_statement_timeout_ms",
              _ints(1_000, 86_400_000), "each migration's `statement_timeout`"),
+    Variable("STOCK_LEDGER_ARCHIVE_DIR", "archive_dir", _TEXT,
+             "`archive`: the directory archived segments are written to (Parquet and a manifest each; the chart's "
+             "volume); one ledger per directory"),
+    Variable("STOCK_LEDGER_RETENTION_DAYS", "retention_days", _ints(0, 36_500),
+             "`archive run`: a segment whose newest movement was applied more than this many days ago (and that "
+             "nothing still needs) is archived and leaves the database; unset: nothing is archived"),
     Variable("STOCK_LEDGER_FAULT", "fault", _TEXT, "**tests only**: crash points (`src/stock_ledger/faults.py`)"),
     Variable("STOCK_LEDGER_DATABASE_SSLMODE_MIN", "database_sslmode_min", _choice(*SSLMODES),
              "weakest `sslmode` accepted; a URL without one counts as `prefer` (or `PGSSLMODE`); production: "

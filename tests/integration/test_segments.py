@@ -169,7 +169,7 @@ async def test_an_existing_ledger_moves_to_segments_while_the_previous_release_w
             stop.set()
             await writing
             await writer.close()
-            assert applied == ["0014_segments.sql"]
+            assert applied == ["0014_segments.sql", "0015_archives.sql"]
             total = 120_000 + written
             assert after_swap > 0, "the writer never wrote into the new layout"
             assert await owner.fetchval(PARTITIONED)

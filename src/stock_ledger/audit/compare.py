@@ -28,7 +28,7 @@ from aiokafka import TopicPartition
 from stock_ledger.audit.ranges import Found, Run, Runs, clip, describe, difference, merged, union
 from stock_ledger.clients import kafka
 from stock_ledger.errors import ConfigError, OperatorError, StockLedgerError
-from stock_ledger.ledger import offsets
+from stock_ledger.ledger import archives, offsets
 from stock_ledger.topics import partitions_of
 
 if TYPE_CHECKING:
@@ -53,10 +53,10 @@ _FETCH_RECORDS: Final = 5_000
 _BOUNDARIES: Final = """
 WITH u AS (
     SELECT kafka_offset AS o FROM stock_movements
-     WHERE kafka_topic = $1 AND kafka_partition = $2 AND kafka_offset >= $3
+     WHERE kafka_topic = $1 AND kafka_partition = $2 AND kafka_offset >= $3 AND kafka_offset < $4
     UNION ALL
     SELECT kafka_offset FROM rejected_movements
-     WHERE kafka_topic = $1 AND kafka_partition = $2 AND kafka_offset >= $3
+     WHERE kafka_topic = $1 AND kafka_partition = $2 AND kafka_offset >= $3 AND kafka_offset < $4
 ), w AS (
     SELECT o, lag(o) OVER (ORDER BY o) AS prev, lead(o) OVER (ORDER BY o) AS next FROM u
 )
@@ -101,11 +101,21 @@ def runs_from_boundaries(boundaries: Iterable[tuple[int, int | None, int | None]
     return runs, repeated
 
 
-async def ledger_runs(conn: asyncpg.Connection, topic: str, partition: int, start: int) -> tuple[Runs, Found]:
-    """The partition's offsets in either table from `start` on, as runs, and the offsets held twice (a cursor: the
-    caller holds a transaction)."""
-    rows = [(r[0], r[1], r[2]) async for r in conn.cursor(_BOUNDARIES, topic, partition, start, prefetch=10_000)]
-    return runs_from_boundaries(rows)
+async def ledger_runs(conn: asyncpg.Connection, topic: str, partition: int, start: int,
+                      end: int = 2**63 - 1) -> tuple[Runs, Found]:
+    """The partition's offsets of [start, end) the ledger holds, as runs: in either table, or in an archived segment
+    (archive/run.py archives only complete segments); and the offsets held twice (a cursor: the caller holds a
+    transaction)."""
+    rows = [(r[0], r[1], r[2]) async for r in conn.cursor(_BOUNDARIES, topic, partition, start, end,
+                                                           prefetch=10_000)]
+    runs, repeated = runs_from_boundaries(rows)
+    archived = list(clip(await archives.archived_runs(conn, topic, partition), start, end - 1))
+    if not archived:
+        return runs, repeated
+    held = Runs()
+    for first, last in union(archived, runs):
+        held.add_run(first, last)
+    return held, repeated
 
 
 async def missing_offsets(conn: asyncpg.Connection, ranges: Ranges) -> dict[Key, list[Run]]:

@@ -46,7 +46,7 @@ from stock_ledger.audit.ranges import Found, Run, Runs, describe, difference
 from stock_ledger.clients import kafka
 from stock_ledger.clients.database import connect_database
 from stock_ledger.gaps import find_gap
-from stock_ledger.ledger import offsets
+from stock_ledger.ledger import archives, offsets
 from stock_ledger.progress import Progress
 from stock_ledger.topics import committed_offsets, partitions_of
 
@@ -368,13 +368,23 @@ async def _counts(conn: asyncpg.Connection, report: Report, topic: str, scope: S
                "constraint present and valid" if unique else
                "constraint stock_movements_coordinates_key missing or invalid: re-apply migrations/0001_ledger.sql")
     parts, lows = list(starts), [starts[p] for p in starts]
+    stored = [r for r in await archives.archives(conn) if r["kafka_topic"] == topic
+              and (scope.partitions is None or r["kafka_partition"] in scope.partitions)]
+    # Archived movements count as the ledger's: each archive was checked against its segment when it left, and
+    # `archive verify` checks its file. The comparison with the topic reads them as held (compare.ledger_runs).
+    archived = sum(r["rows"] for r in stored) if scope.since is None else 0
+    report.add("archived", ok=True, detail="none" if not stored else
+               f"{sum(r['rows'] for r in stored)} movements in {len(stored)} archived segments: " + "; ".join(
+                   f"p{r['kafka_partition']} [{r['first_offset']}, {r['end_offset']})" for r in stored[:5])
+               + (" ..." if len(stored) > 5 else "") + " (`stock-ledger archive verify` checks their files)")
     if scope.whole:
-        report.rows = int(await conn.fetchval("SELECT count(*) FROM stock_movements"))
-        report.distinct_sources = report.rows if unique else int(
+        report.rows = int(await conn.fetchval("SELECT count(*) FROM stock_movements")) + archived
+        report.distinct_sources = report.rows if unique else archived + int(
             await conn.fetchval("SELECT count(DISTINCT source) FROM stock_movements"))
     else:
-        report.rows = int(await conn.fetchval(_IN_SCOPE.format(table="stock_movements"), topic, parts, lows))
-        report.distinct_sources = report.rows if unique else int(await conn.fetchval(
+        report.rows = archived + int(await conn.fetchval(_IN_SCOPE.format(table="stock_movements"), topic, parts,
+                                                         lows))
+        report.distinct_sources = report.rows if unique else archived + int(await conn.fetchval(
             _IN_SCOPE.format(table="stock_movements").replace("count(*)", "count(DISTINCT source)"),
             topic, parts, lows))
     report.add("rows vs distinct coordinates", report.rows == report.distinct_sources,

@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from stock_ledger.cli import audit, completion, offsets, rejected, service, stock
+from stock_ledger.cli import archive, audit, completion, offsets, rejected, service, stock
 from stock_ledger.cli.args import positive_int, rfc3339
 from stock_ledger.domain import RejectCode
 from stock_ledger.versions import version_of
@@ -166,6 +166,39 @@ _REPAIR: Final = Command(
         _JSON))
 
 
+_ARCHIVE_ENV: Final = ("STOCK_LEDGER_ARCHIVE_DIR", *_OWNER_ENV, "STOCK_LEDGER_READER_ROLE", *LOG_ENV)
+_ARCHIVE_RUN_ENV: Final = (*_KAFKA_ENV, "STOCK_LEDGER_RETENTION_DAYS", *_ARCHIVE_ENV)
+_SEGMENT: Final = "a segment's name, as `archive list` shows it (stock_movements_p<P>_o<offset>)"
+_ARCHIVE: Final = Command(
+    "archive", "retention: old segments of stock_movements to Parquet archives; list, verify, restore them",
+    environment=_ARCHIVE_RUN_ENV, runs_as="owner", dest="action", raw=True, refusals_on_stderr=True, description=(
+        "stock_movements is kept in segments of Kafka offsets (ledger_segments). `archive run` writes each segment\n"
+        "that has been online for STOCK_LEDGER_RETENTION_DAYS and that nothing still needs to\n"
+        "STOCK_LEDGER_ARCHIVE_DIR as Parquet with a manifest, reads it back, checks it against the segment under a\n"
+        "lock, records it (ledger_archives, per-(warehouse, sku) sums in archived_sums), then detaches and drops the\n"
+        "segment. stock_levels, `stock show --at`, `movements` and `verify` stay exact. Run it as the owner role."),
+    subcommands=(
+        Command("run", "archive every segment that may leave (the chart's CronJob runs this)", archive.run,
+                environment=_ARCHIVE_RUN_ENV, raw=True, description=(
+                    "A segment leaves only when the group's stored offset has passed its end, Kafka no longer holds\n"
+                    "its offsets (verify compares what Kafka holds), its newest movement was applied more than\n"
+                    "STOCK_LEDGER_RETENTION_DAYS ago, no gap in it awaits acknowledgement and none of its offsets is\n"
+                    "a hole; per Kafka partition the oldest first, stopping at the first that must stay (the report\n"
+                    "says why). Safe to interrupt and to run again: it finishes what an earlier run recorded."),
+                arguments=(
+                    arg("--dry-run", action="store_true", help="say what would be archived and why the rest stays"),
+                    arg("--limit", type=positive_int, default=None, metavar="N", help="archive at most N segments"),
+                    _JSON)),
+        Command("list", "the archives this ledger recorded", archive.list_archives, environment=_ARCHIVE_ENV,
+                raw=True, arguments=(_JSON,)),
+        Command("verify", "check archives against their manifests and the ledger's record (exit 1 on a problem)",
+                archive.verify, environment=_ARCHIVE_ENV, raw=True, arguments=(
+                    arg("segment", nargs="*", help=f"{_SEGMENT} (default: every archive)"), _JSON)),
+        Command("restore", "load one archive into the table restored_<segment> for an audit (never into the ledger)",
+                archive.restore, environment=_ARCHIVE_ENV, raw=True, arguments=(
+                    arg("segment", help=_SEGMENT), _JSON)),
+    ))
+
 
 async def _completion(_settings: Settings, args: argparse.Namespace) -> int:
     print(completion.script(parser(), args.shell), end="")
@@ -204,7 +237,8 @@ COMMANDS: Final[tuple[Command, ...]] = (
     Command("verify", "check the ledger against the topic; exit 0 only if all checks hold", audit.run_verify,
             environment=("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL", "STOCK_LEDGER_TOPIC", "STOCK_LEDGER_GROUP_ID",
                          *LOG_ENV), refusals_on_stderr=True, arguments=(
-                arg("--expect", type=int, default=None, help="expected number of rows in stock_movements"),
+                arg("--expect", type=int, default=None,
+                    help="expected number of movements in the ledger (archived ones included)"),
                 arg("--wait", type=float, default=0.0, help="first wait up to this many seconds for lag 0"),
                 arg("--json", action="store_true",
                     help="one JSON document on stdout instead of the table: ok, rows, distinct_sources, checks "
@@ -268,6 +302,7 @@ COMMANDS: Final[tuple[Command, ...]] = (
     _OFFSETS,
     _REJECTED,
     _REPAIR,
+    _ARCHIVE,
     _COMPLETION,
 )
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stock_ledger.archive import parquet
 from stock_ledger.cli.args import table
 from stock_ledger.clients.database import reader_session
+from stock_ledger.errors import ConfigError
 from stock_ledger.ledger import stock
-from stock_ledger.ledger.stock import ORDER, History, Level
+from stock_ledger.ledger.stock import ORDER, History, Level, LevelsAt
 
 if TYPE_CHECKING:
     import argparse
@@ -33,11 +36,32 @@ async def say_when_slow(after: float) -> None:
 async def show(settings: Settings, args: argparse.Namespace) -> int:
     """`stock show`: on-hand now, or as of --at."""
     async def read(conn: asyncpg.Connection) -> str:
-        found = await stock.levels(conn, args.warehouse, sku=args.sku, negative=args.negative, at=args.at)
+        levels = await stock.levels(conn, args.warehouse, sku=args.sku, negative=args.negative, at=args.at)
+        found = with_archived(settings, levels, args.warehouse, args.sku, args.at)
+        if args.negative:
+            found = [x for x in found if x.on_hand < 0]
         options = {"at": args.at, "negative": args.negative}
         return (json.dumps(levels_json(found, args.warehouse, **options)) if args.json
                 else render_levels(found, args.warehouse, **options))
     return await _read(settings, read)
+
+
+def with_archived(settings: Settings, found: LevelsAt, warehouse: str, sku: str | None,
+                  at: datetime | None) -> list[Level]:
+    """The levels with the movements up to `at` of the archived segments that hold movements on both sides of it,
+    read from their files (archived_sums count only whole segments)."""
+    if at is None or not found.straddling:
+        return found.levels
+    if not settings.archive_dir:
+        raise ConfigError(f"the stock as of {at.isoformat()} needs movements archived in "
+                          f"{', '.join(found.straddling)} (they occurred on both sides of it): set "
+                          "STOCK_LEDGER_ARCHIVE_DIR to the archive directory (`stock-ledger archive list`)")
+    directory = Path(settings.archive_dir)
+    on_hand = {x.sku: x.on_hand for x in found.levels}
+    for segment in found.straddling:
+        for s, qty in parquet.sums_until(parquet.paths(directory, segment)[0], warehouse, sku, at).items():
+            on_hand[s] = on_hand.get(s, 0) + qty
+    return [Level(warehouse, s, q, None) for s, q in sorted(on_hand.items())]
 
 
 async def history(settings: Settings, args: argparse.Namespace) -> int:
@@ -108,6 +132,9 @@ def render_history(found: History, sku: str, *, warehouse: str | None, since: da
         lines.append(f"showing the newest {len(found.movements)} of {found.matching}: raise --limit (now {limit}) "
                      "or narrow with --since")
     lines.append("on_hand: the warehouse's on-hand of this SKU right after the row was applied")
+    if found.archived:
+        lines.append(f"{found.archived} older movements of this SKU are archived (`stock-ledger archive list`): "
+                     "on_hand counts them, this list does not")
     return "\n".join(lines)
 
 
@@ -119,6 +146,7 @@ def history_json(found: History, sku: str, *, warehouse: str | None, since: date
         "since": _iso(since),
         "limit": limit,
         "matching": found.matching,
+        "archived": found.archived,
         "order": ORDER,
         "movements": [
             {"applied_at": m.applied_at.isoformat(), "occurred_at": m.occurred_at.isoformat(),

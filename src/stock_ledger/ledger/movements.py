@@ -334,23 +334,24 @@ async def record_attempts(conn: asyncpg.Connection, attempts: dict[int, str]) ->
 
 # ------------------------------------------------------------------------------------------ where a partition stands
 
-# Per partition, the highest offset in either table, or recorded as holding no data record, + 1 (0 if none): where
-# the ledger's own rows say the partition stands. A backward probe of each table's unique index per partition (the
-# runs of non_record_offsets never overlap: the last one ends highest).
+# Per partition, the highest offset in either table, recorded as holding no data record, or in an archived segment,
+# + 1 (0 if none): where the ledger's own rows say the partition stands. A backward probe of each table's unique
+# index per partition (the runs of non_record_offsets never overlap: the last one ends highest).
 _FLOORS: Final = """
 SELECT p, greatest(
     (SELECT max(kafka_offset) + 1 FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = p),
     (SELECT max(kafka_offset) + 1 FROM rejected_movements WHERE kafka_topic = $1 AND kafka_partition = p),
     (SELECT last_offset + 1 FROM non_record_offsets WHERE kafka_topic = $1 AND kafka_partition = p
       ORDER BY first_offset DESC LIMIT 1),
+    (SELECT max(end_offset) FROM ledger_archives WHERE kafka_topic = $1 AND kafka_partition = p),
     0)
   FROM unnest($2::int[]) AS p
 """
 
 
 async def floors(conn: asyncpg.Connection, topic: str, partitions: Iterable[int]) -> dict[int, int]:
-    """partition -> the highest offset of the partition in either table or in a recorded run of offsets that held no
-    data record, + 1 (0 if none): the lowest offset the partition may be moved to (everything below is in the
+    """partition -> the highest offset of the partition in either table, in a recorded run of offsets that held no
+    data record or in an archived segment, + 1 (0 if none): the lowest offset the partition may be moved to (everything below is in the
     ledger), and where a claim that finds nothing stored resumes if the ledger holds rows of the partition."""
     return {r[0]: r[1] for r in await conn.fetch(_FLOORS, topic, list(partitions))}
 

@@ -47,38 +47,57 @@ NEGATIVE_LEVELS: Final = """
 SELECT warehouse_id, sku, on_hand, went_negative_at FROM stock_levels
  WHERE warehouse_id = $1 AND went_negative_at IS NOT NULL ORDER BY sku
 """
-# As of business time T. "Since when" is not known at T without replaying the history: NULL.
+# As of business time T. "Since when" is not known at T without replaying the history: NULL. Archived segments
+# count through archived_sums: whole where all their movements of the pair occurred at or before T; those with
+# movements on both sides of T are `STRADDLING`, and the caller sums their archive files up to T.
 LEVELS_AT: Final = """
-SELECT warehouse_id, sku, sum(qty)::bigint AS on_hand, NULL::timestamptz AS went_negative_at
-  FROM stock_movements WHERE warehouse_id = $1 AND occurred_at <= $2
- GROUP BY warehouse_id, sku ORDER BY sku
+SELECT warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamptz AS went_negative_at FROM (
+    SELECT warehouse_id, sku, qty AS q FROM stock_movements WHERE warehouse_id = $1 AND occurred_at <= $2
+    UNION ALL
+    SELECT warehouse_id, sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2
+) AS m GROUP BY warehouse_id, sku ORDER BY sku
 """
 LEVEL_AT: Final = """
-SELECT $1::text AS warehouse_id, $2::text AS sku, coalesce(sum(qty), 0)::bigint AS on_hand,
+SELECT $1::text AS warehouse_id, $2::text AS sku,
+       (coalesce((SELECT sum(qty) FROM stock_movements WHERE warehouse_id = $1 AND sku = $2 AND occurred_at <= $3), 0)
+        + coalesce((SELECT sum(qty) FROM archived_sums
+                     WHERE warehouse_id = $1 AND sku = $2 AND last_occurred_at <= $3), 0))::bigint AS on_hand,
        NULL::timestamptz AS went_negative_at
-  FROM stock_movements WHERE warehouse_id = $1 AND sku = $2 AND occurred_at <= $3
+"""
+STRADDLING: Final = """
+SELECT DISTINCT segment FROM archived_sums
+ WHERE warehouse_id = $1 AND ($2::text IS NULL OR sku = $2) AND first_occurred_at <= $3 AND last_occurred_at > $3
+ ORDER BY 1
 """
 WAREHOUSE_KNOWN: Final = "SELECT EXISTS (SELECT FROM stock_levels WHERE warehouse_id = $1)"
 
 # The running on-hand is computed over the whole history of each (warehouse, sku) before --since and --limit
 # cut it, so every row shows what the level really was after it. The newest `limit` rows are kept; `matching`
 # counts the rows --since selected.
+# Archived movements precede every online one of the SKU in application order (segments are archived oldest first
+# per Kafka partition): the running on-hand starts from their sum.
 _HISTORY: Final = """
 SELECT h.*, count(*) OVER () AS matching FROM (
-    SELECT occurred_at, applied_at, warehouse_id, sku, kind, qty, movement_id,
-           kafka_topic, kafka_partition, kafka_offset,
-           sum(qty) OVER (PARTITION BY warehouse_id ORDER BY kafka_topic, kafka_partition, kafka_offset)::bigint
-               AS on_hand
-      FROM stock_movements WHERE sku = $1 {warehouse}
+    SELECT m.occurred_at, m.applied_at, m.warehouse_id, m.sku, m.kind, m.qty, m.movement_id,
+           m.kafka_topic, m.kafka_partition, m.kafka_offset,
+           (sum(m.qty) OVER (PARTITION BY m.warehouse_id ORDER BY m.kafka_topic, m.kafka_partition, m.kafka_offset)
+            + coalesce(a.qty, 0))::bigint AS on_hand
+      FROM stock_movements AS m
+      LEFT JOIN (SELECT warehouse_id, sum(qty) AS qty FROM archived_sums WHERE sku = $1 GROUP BY 1) AS a
+             ON a.warehouse_id = m.warehouse_id
+     WHERE m.sku = $1 {warehouse}
 ) AS h
  WHERE {since} IS NULL OR h.occurred_at >= {since}
  ORDER BY kafka_topic DESC, kafka_partition DESC, kafka_offset DESC
  LIMIT {limit}
 """
 HISTORY: Final = _HISTORY.format(warehouse="", since="$2::timestamptz", limit="$3")
-HISTORY_IN_WAREHOUSE: Final = _HISTORY.format(warehouse="AND warehouse_id = $2", since="$3::timestamptz",
+HISTORY_IN_WAREHOUSE: Final = _HISTORY.format(warehouse="AND m.warehouse_id = $2", since="$3::timestamptz",
                                               limit="$4")
 SKU_KNOWN: Final = "SELECT EXISTS (SELECT FROM stock_levels WHERE sku = $1)"
+ARCHIVED_OF_SKU: Final = """
+SELECT coalesce(sum(rows), 0)::bigint FROM archived_sums WHERE sku = $1 AND ($2::text IS NULL OR warehouse_id = $2)
+"""
 ORDER: Final = "kafka_topic, kafka_partition, kafka_offset"
 
 
@@ -118,6 +137,13 @@ class Movement:
 class History:
     movements: list[Movement]  # oldest first, in application order
     matching: int  # rows that --since selected, before --limit
+    archived: int = 0  # movements of the SKU (in the warehouse) in archived segments: counted in on_hand, not listed
+
+
+@dataclass(frozen=True, slots=True)
+class LevelsAt:
+    levels: list[Level]
+    straddling: list[str]  # archived segments holding movements of these pairs on both sides of `at`
 
 
 # --------------------------------------------------------------------------------------------- the reads
@@ -126,9 +152,13 @@ class History:
 async def levels(
     conn: asyncpg.Connection, warehouse: str, *, sku: str | None = None, negative: bool = False,
     at: datetime | None = None,
-) -> list[Level]:
-    """On-hand now (stock_levels) or as of business time `at` (Σ qty of movements with occurred_at <= at)."""
+) -> LevelsAt:
+    """On-hand now (stock_levels) or as of business time `at` (Σ qty of movements with occurred_at <= at: online
+    rows, archived sums, and the archived segments `straddling` at, which the caller must add)."""
+    straddling: list[str] = []
     async with conn.transaction(readonly=True, isolation="repeatable_read"):
+        if at is not None:
+            straddling = [r[0] for r in await conn.fetch(STRADDLING, warehouse, sku, at)]
         if at is None and sku is None:
             rows = await conn.fetch(NEGATIVE_LEVELS if negative else LEVELS, warehouse)
         elif at is None:
@@ -139,13 +169,14 @@ async def levels(
             rows = await conn.fetch(LEVEL_AT, warehouse, sku, at)
         found = [Level(r["warehouse_id"], r["sku"], r["on_hand"], r["went_negative_at"]) for r in rows]
         # LEVEL_AT always answers (0 before the first movement): an unknown warehouse must still be said.
-        if all(x.on_hand == 0 for x in found) and not await conn.fetchval(WAREHOUSE_KNOWN, warehouse):
+        if (all(x.on_hand == 0 for x in found) and not straddling
+                and not await conn.fetchval(WAREHOUSE_KNOWN, warehouse)):
             raise NotFoundError(f"the ledger has no stock for warehouse {warehouse!r}: check the id (exact match, "
                                 "case-sensitive) and DATABASE_URL")
     if sku is not None and at is None and not found:
         raise NotFoundError(f"the ledger has no stock level for SKU {sku!r} in warehouse {warehouse!r}: check the "
                             "SKU (exact match, case-sensitive), or try `stock-ledger movements --sku`")
-    return [x for x in found if x.on_hand < 0] if negative else found
+    return LevelsAt([x for x in found if x.on_hand < 0] if negative and at is None else found, straddling)
 
 
 async def history(
@@ -162,7 +193,8 @@ async def history(
         if not rows and not await conn.fetchval(SKU_KNOWN, sku):
             raise NotFoundError(f"the ledger has no movement of SKU {sku!r}: check the SKU (exact match, "
                                 "case-sensitive) and DATABASE_URL")
+        archived = int(await conn.fetchval(ARCHIVED_OF_SKU, sku, warehouse))
     movements = [Movement(r["occurred_at"], r["applied_at"], r["warehouse_id"], r["sku"], r["kind"], r["qty"],
                           r["on_hand"], r["movement_id"], r["kafka_topic"], r["kafka_partition"], r["kafka_offset"])
                  for r in reversed(rows)]
-    return History(movements, rows[0]["matching"] if rows else 0)
+    return History(movements, rows[0]["matching"] if rows else 0, archived)
