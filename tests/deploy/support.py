@@ -70,12 +70,19 @@ class Rendered:
         return {m["kind"] for m in self.manifests}
 
 
+def _pod_template(manifest: Manifest) -> dict[str, Any]:
+    """The pod template of a workload; a CronJob's is in its jobTemplate."""
+    spec = manifest["spec"]["jobTemplate"]["spec"] if manifest["kind"] == "CronJob" else manifest["spec"]
+    template: dict[str, Any] = spec["template"]
+    return template
+
+
 def pod_spec(manifest: Manifest) -> dict[str, Any]:
-    """The pod spec of a Pod, or of the pod template of a workload."""
+    """The pod spec of a Pod, or of the pod template of a workload (a CronJob's too)."""
     if manifest["kind"] == "Pod":
         spec: dict[str, Any] = manifest["spec"]
         return spec
-    template: dict[str, Any] = manifest["spec"]["template"]["spec"]
+    template: dict[str, Any] = _pod_template(manifest)["spec"]
     return template
 
 
@@ -83,7 +90,7 @@ def pod_labels(manifest: Manifest) -> dict[str, str]:
     if manifest["kind"] == "Pod":
         labels: dict[str, str] = manifest["metadata"].get("labels", {})
         return labels
-    template_labels: dict[str, str] = manifest["spec"]["template"]["metadata"].get("labels", {})
+    template_labels: dict[str, str] = _pod_template(manifest)["metadata"].get("labels", {})
     return template_labels
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.deploy
 
 CI_VALUES = ("default-values.yaml", "all-features-values.yaml", "openshift-values.yaml")
-POD_KINDS = ("Deployment", "Job", "Pod")
+POD_KINDS = ("Deployment", "Job", "Pod", "CronJob")
 
 
 def test_the_ci_directory_holds_the_files_tested_here() -> None:
@@ -53,7 +53,8 @@ def test_manifests_match_kubernetes_schemas(render: Callable[..., Rendered], nam
 def test_all_features_renders_every_optional_object(render: Callable[..., Rendered]) -> None:
     rendered = render("--values", str(CHART / "ci" / "all-features-values.yaml"))
     assert {"ServiceMonitor", "PrometheusRule", "NetworkPolicy", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
-            "PodDisruptionBudget", "Service", "ScaledObject", "TriggerAuthentication"} <= rendered.kinds()
+            "PodDisruptionBudget", "Service", "ScaledObject", "TriggerAuthentication", "CronJob",
+            "PersistentVolumeClaim"} <= rendered.kinds()
     images = {c["image"] for m in rendered.manifests if m["kind"] in POD_KINDS for c in pod_spec(m)["containers"]}
     assert images == {"registry.example.com/inventory/stock-ledger:0.1.0",
                       "registry.example.com/inventory/stock-ledger-chaos:0.1.0"}

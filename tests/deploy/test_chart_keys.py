@@ -24,7 +24,8 @@ pytestmark = pytest.mark.deploy
 DRILL = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db")
 EVERYTHING = (*REQUIRED, *DRILL, "--set", "metrics.podMonitor.enabled=true", "--set",
               "metrics.prometheusRule.enabled=true", "--set", "grafana.dashboard.enabled=true", "--set",
-              "networkPolicy.enabled=true", "--set", "serviceAccount.create=true", "--set", "test.postSync=true")
+              "networkPolicy.enabled=true", "--set", "serviceAccount.create=true", "--set", "test.postSync=true",
+              "--set", "archive.enabled=true")
 
 
 def by_name(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

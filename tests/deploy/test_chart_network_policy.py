@@ -76,13 +76,21 @@ def test_off_by_default(default_render: Rendered, all_render: Rendered) -> None:
 
 
 def test_selects_the_worker_pods_and_nothing_else(render: Callable[..., Rendered]) -> None:
-    rendered = render(*REQUIRED, *ENABLED, "--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=d")
+    """Not the hooks, the helm test pod, the drill or the archive CronJob's pods: even with egress restricted, the
+    migration and archive pods (the owner role's DDL, Kafka's log start offsets) reach PostgreSQL and Kafka as
+    before, since no policy selects them."""
+    rendered = render(*REQUIRED, *ENABLED, "--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=d",
+                      "--set", "archive.enabled=true", "--set", "networkPolicy.egress.restricted=true")
     policy = rendered.one("NetworkPolicy")
+    checked: set[str] = set()
     for manifest in rendered.manifests:
-        if manifest["kind"] not in {"Deployment", "Job", "Pod"}:
+        if manifest["kind"] not in {"Deployment", "Job", "Pod", "CronJob"}:
             continue
+        checked.add(manifest["kind"])
         selected = _matches(policy["spec"]["podSelector"], pod_labels(manifest))
         assert selected is (kn(manifest) == f"Deployment/{WORKERS}"), kn(manifest)
+    assert checked == {"Deployment", "Job", "Pod", "CronJob"}
+    assert len(rendered.of_kind("NetworkPolicy")) == 1
 
 
 def test_helm_test_reaches_every_worker_readyz_through_the_headless_service(policy_render: Rendered) -> None:

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.deploy
 
 SELECTOR = {"app.kubernetes.io/name": "stock-ledger", "app.kubernetes.io/instance": RELEASE}
 WORKERS = f"{RELEASE}-stock-ledger"  # the release's worker Deployment (the chaos drill has its own)
-POD_KINDS = ("Deployment", "Job", "Pod")
+POD_KINDS = ("Deployment", "Job", "Pod", "CronJob")
 
 
 def workloads(rendered: Rendered) -> list[Manifest]:
@@ -198,8 +198,8 @@ class TestRandomUid:
 
     def test_no_pod_fixes_an_id_and_every_restriction_stays(self, render: Callable[..., Rendered]) -> None:
         rendered = render(*REQUIRED, *self.NULL_IDS, "--set", "chaos.enabled=true",
-                          "--set", "chaos.database.existingSecret=drill-db")
-        assert len(workloads(rendered)) == 6
+                          "--set", "chaos.database.existingSecret=drill-db", "--set", "archive.enabled=true")
+        assert len(workloads(rendered)) == 7
         violations = [v for m in workloads(rendered) for v in restricted_v2_violations(m)]
         assert not violations, "\n".join(violations)
 
@@ -223,17 +223,18 @@ class TestWorkerContainer:
         )
 
     def test_registry_prefixes_every_image_of_the_chart(self, render: Callable[..., Rendered]) -> None:
-        """image.registry reaches every pod: workers, migration hook, helm test, the drill's Jobs and workers; with a
-        digest the reference is registry/repository@digest."""
+        """image.registry reaches every pod: workers, migration hook, helm test, the archive CronJob, the drill's Jobs
+        and workers; with a digest the reference is registry/repository@digest."""
         digest = "sha256:" + "ab" * 32
-        drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db")
+        drill = ("--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=drill-db",
+                 "--set", "archive.enabled=true")
         for flags, expected in (
             ((), f"mirror.example.com:5000/stock-ledger:{APP_VERSION}"),
             (("--set", f"image.digest={digest}"), f"mirror.example.com:5000/stock-ledger@{digest}"),
         ):
             rendered = render(*REQUIRED, *drill, "--set", "image.registry=mirror.example.com:5000", *flags)
             images = {kn(m): {c["image"] for c in containers(m)} for m in workloads(rendered)}
-            assert len(images) == 6, images  # workers, migrate, test pod, drill prepare, drill workers, drill Job
+            assert len(images) == 7, images  # workers, migrate, test pod, archive, drill prepare, workers, Job
             assert all(found == {expected} for found in images.values()), images
 
     def test_chaos_image_registry_defaults_to_the_app_registry(self, render: Callable[..., Rendered]) -> None:

@@ -162,6 +162,24 @@ and set database.migrationSecret=stock-ledger-db-owner (database.migrationSecret
 {{- end }}
 
 {{/*
+DATABASE_URL of the owner role (database.migrationSecret, key database.migrationSecretKey else database.secretKey):
+the migration Job's, and the archive CronJob's (it detaches and drops partitions, DDL the worker role may not run).
+Never the worker's Secret and key.
+*/}}
+{{- define "stock-ledger.ownerDatabaseUrlEnv" -}}
+{{- $secret := include "stock-ledger.migrationSecret" . }}
+{{- $key := default .Values.database.secretKey .Values.database.migrationSecretKey }}
+{{- if and (eq $secret (include "stock-ledger.databaseSecret" .)) (eq $key .Values.database.secretKey) }}
+{{- fail (printf "database.migrationSecret %q with key %q is the worker's Secret and key (database.existingSecret, database.secretKey): the worker role cannot run DDL. Point it at the owner role's DATABASE_URL (another Secret, or another key with database.migrationSecretKey)" $secret $key) }}
+{{- end -}}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ $key }}
+{{- end }}
+
+{{/*
 DATABASE_URL from the existing Secret, never from values: the URL holds a password.
 */}}
 {{- define "stock-ledger.databaseUrlEnv" -}}
@@ -279,6 +297,18 @@ Call with (dict "containers" .Values.sidecars "ctx" $).
 {{- define "stock-ledger.tmpVolumeMount" -}}
 - name: tmp
   mountPath: /tmp
+{{- end }}
+
+{{/*
+The archive CronJob and its claim. 52 characters at most: the CronJob controller appends an 11-character suffix to
+name each Job, and Job names are labels (63).
+*/}}
+{{- define "stock-ledger.archiveName" -}}
+{{- printf "%s-archive" (include "stock-ledger.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stock-ledger.archiveClaim" -}}
+{{- default (include "stock-ledger.archiveName" .) .Values.archive.persistence.existingClaim }}
 {{- end }}
 
 {{- define "stock-ledger.chaosName" -}}
