@@ -214,7 +214,7 @@ async def test_a_run_stopped_after_the_archive_was_recorded_is_finished_by_the_n
 ) -> None:
     """The archiver dies right after the transaction that recorded the archive and detached the segment (its table
     not yet dropped): readers already count the segment once, from its sums; the next run drops the table. With all
-    of the partition's movements archived, its stored offset still cannot be moved back into them."""
+    of the partition's movements archived and its offsets row lost, a claim still resumes after them."""
     await _sql(database.owner_url, "UPDATE ledger_layout SET segment_offsets = 20")
     await send_to_partition(services.kafka, topic, P, _records()[:40])
     worker = workers.start(STOCK_LEDGER_BATCH_MAX_RECORDS="7")
@@ -251,6 +251,15 @@ async def test_a_run_stopped_after_the_archive_was_recorded_is_finished_by_the_n
     assert await _sql(database.owner_url, "SELECT to_regclass($1)", SEGMENT) == [(None,)]
     check = await cli(workers, "verify", "--expect", "39")
     assert check.code == 0, check.out + check.err
-    back = await cli(workers, "offsets", "set", "--partition", str(P), "--offset", "5", "--force")
-    assert back.code == 1, back.out + back.err
-    assert "the lowest allowed is 40" in back.err, back.err
+
+    # The offsets row lost (a restore from before the first claim): the claim resumes past the archived movements,
+    # as it would past rows, and finds no hole where they were.
+    await _sql(database.owner_url, "DELETE FROM consumer_offsets WHERE partition = $1", P)
+    await send_to_partition(services.kafka, topic, P, [_records()[41]])
+    workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    assert await _sql(database.owner_url, "SELECT count(*) FROM ledger_gaps") == [(0,)]
+    assert await _sql(database.owner_url, "SELECT kafka_offset FROM stock_movements WHERE kafka_partition = $1",
+                      P) == [(40,)]
+    check = await cli(workers, "verify", "--expect", "40")
+    assert check.code == 0, check.out + check.err
