@@ -351,8 +351,9 @@ SELECT p, greatest(
 
 async def floors(conn: asyncpg.Connection, topic: str, partitions: Iterable[int]) -> dict[int, int]:
     """partition -> the highest offset of the partition in either table, in a recorded run of offsets that held no
-    data record or in an archived segment, + 1 (0 if none): the lowest offset the partition may be moved to (everything below is in the
-    ledger), and where a claim that finds nothing stored resumes if the ledger holds rows of the partition."""
+    data record or in an archived segment, + 1 (0 if none): the lowest offset the partition may be moved to
+    (everything below is in the ledger), and where a claim that finds nothing stored resumes if the ledger holds rows
+    of the partition."""
     return {r[0]: r[1] for r in await conn.fetch(_FLOORS, topic, list(partitions))}
 
 
