@@ -72,14 +72,14 @@ async def _delete_below(services: Services, topic: str, offset: int) -> None:
 
 
 async def _answers(workers: WorkerPool, env: dict[str, str]) -> dict[str, Any]:
-    """Everything the ledger says about the two SKUs: on-hand now and as of eleven times (some inside the archived
+    """Everything the ledger says about the two SKUs: on-hand now and as of 13 times (some inside the archived
     range, one at each end), and the movements with their running on-hand."""
     found: dict[str, Any] = {}
     for warehouse in ("WH-1", "WH-2"):
         now = await cli(workers, "stock", "show", "--warehouse", warehouse, "--json", **env)
         assert now.code == 0, now.err
         found[f"{warehouse} now"] = json.loads(now.out)["levels"]
-        for hours in (-1, 0, 4, 5, 17, 29, 30, 39, 45, 64, 80):
+        for hours in (-1, 0, 4, 5, 17, 29, 30, 37, 38, 39, 45, 64, 80):
             at = (T0 + timedelta(hours=hours, minutes=30 if hours in (17, 29) else 0)).isoformat()
             r = await cli(workers, "stock", "show", "--warehouse", warehouse, "--at", at, "--json", **env)
             assert r.code == 0, r.err

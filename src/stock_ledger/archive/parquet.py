@@ -261,15 +261,14 @@ def _runs(partitions: dict[tuple[str, int], list[int]]) -> str:
     return ", ".join(f"{t}/{p}: {v[0]} rows [{v[1]}, {v[2]}]" for (t, p), v in sorted(partitions.items())) or "none"
 
 
-def sums_until(path: Path, warehouse: str, sku: str | None, at: datetime) -> dict[str, int]:
-    """sku -> Σ qty of the file's movements of `warehouse` (and `sku`) that occurred at or before `at`: what `stock
-    show --at` adds for an archived segment whose movements of a pair lie on both sides of `at`. Row groups whose
+def sums_until(path: Path, warehouse: str, skus: Sequence[str], at: datetime) -> dict[str, int]:
+    """sku -> Σ qty of the file's movements of `warehouse` and `skus` that occurred at or before `at`: what `stock
+    show --at` adds for the pairs whose movements in an archived segment lie on both sides of `at`. Row groups whose
     statistics exclude the filter are skipped."""
-    where = [("warehouse_id", "=", warehouse), ("occurred_at", "<=", pa.scalar(at, type=_TIME))]
-    if sku is not None:
-        where.append(("sku", "=", sku))
+    where = [("warehouse_id", "=", warehouse), ("sku", "in", list(skus)),
+             ("occurred_at", "<=", pa.scalar(at, type=_TIME))]
     try:
-        table = pq.read_table(path, columns=["sku", "qty"], filters=where)
+        table = pq.read_table(path, columns=["sku", "qty"], filters=where, pre_buffer=False)
     except FileNotFoundError:
         raise OperatorError(f"{path} is missing: set STOCK_LEDGER_ARCHIVE_DIR to the directory the segment was "
                             "archived to (see `stock-ledger archive list`)") from None

@@ -37,7 +37,7 @@ async def show(settings: Settings, args: argparse.Namespace) -> int:
     """`stock show`: on-hand now, or as of --at."""
     async def read(conn: asyncpg.Connection) -> str:
         levels = await stock.levels(conn, args.warehouse, sku=args.sku, negative=args.negative, at=args.at)
-        found = with_archived(settings, levels, args.warehouse, args.sku, args.at)
+        found = with_archived(settings, levels, args.warehouse, args.at)
         if args.negative:
             found = [x for x in found if x.on_hand < 0]
         options = {"at": args.at, "negative": args.negative}
@@ -46,10 +46,9 @@ async def show(settings: Settings, args: argparse.Namespace) -> int:
     return await _read(settings, read)
 
 
-def with_archived(settings: Settings, found: LevelsAt, warehouse: str, sku: str | None,
-                  at: datetime | None) -> list[Level]:
-    """The levels with the movements up to `at` of the archived segments that hold movements on both sides of it,
-    read from their files (archived_sums count only whole segments)."""
+def with_archived(settings: Settings, found: LevelsAt, warehouse: str, at: datetime | None) -> list[Level]:
+    """The levels with the movements up to `at` of each (warehouse, sku) whose archived movements in a segment lie on
+    both sides of it, read from the segment's file (archived_sums count a pair's movements of a segment whole)."""
     if at is None or not found.straddling:
         return found.levels
     if not settings.archive_dir:
@@ -58,8 +57,8 @@ def with_archived(settings: Settings, found: LevelsAt, warehouse: str, sku: str 
                           "STOCK_LEDGER_ARCHIVE_DIR to the archive directory (`stock-ledger archive list`)")
     directory = Path(settings.archive_dir)
     on_hand = {x.sku: x.on_hand for x in found.levels}
-    for segment in found.straddling:
-        for s, qty in parquet.sums_until(parquet.paths(directory, segment)[0], warehouse, sku, at).items():
+    for segment, skus in found.straddling.items():
+        for s, qty in parquet.sums_until(parquet.paths(directory, segment)[0], warehouse, skus, at).items():
             on_hand[s] = on_hand.get(s, 0) + qty
     return [Level(warehouse, s, q, None) for s, q in sorted(on_hand.items())]
 

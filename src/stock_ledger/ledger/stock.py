@@ -65,9 +65,9 @@ SELECT $1::text AS warehouse_id, $2::text AS sku,
        NULL::timestamptz AS went_negative_at
 """
 STRADDLING: Final = """
-SELECT DISTINCT segment FROM archived_sums
+SELECT segment, sku FROM archived_sums
  WHERE warehouse_id = $1 AND ($2::text IS NULL OR sku = $2) AND first_occurred_at <= $3 AND last_occurred_at > $3
- ORDER BY 1
+ ORDER BY 1, 2
 """
 WAREHOUSE_KNOWN: Final = "SELECT EXISTS (SELECT FROM stock_levels WHERE warehouse_id = $1)"
 
@@ -143,7 +143,9 @@ class History:
 @dataclass(frozen=True, slots=True)
 class LevelsAt:
     levels: list[Level]
-    straddling: list[str]  # archived segments holding movements of these pairs on both sides of `at`
+    # archived segment -> the SKUs (of the warehouse) it holds movements of on both sides of `at`: not counted in
+    # `levels`, the caller sums them from the segment's file
+    straddling: dict[str, list[str]]
 
 
 # --------------------------------------------------------------------------------------------- the reads
@@ -155,10 +157,11 @@ async def levels(
 ) -> LevelsAt:
     """On-hand now (stock_levels) or as of business time `at` (Σ qty of movements with occurred_at <= at: online
     rows, archived sums, and the archived segments `straddling` at, which the caller must add)."""
-    straddling: list[str] = []
+    straddling: dict[str, list[str]] = {}
     async with conn.transaction(readonly=True, isolation="repeatable_read"):
         if at is not None:
-            straddling = [r[0] for r in await conn.fetch(STRADDLING, warehouse, sku, at)]
+            for segment, pair_sku in await conn.fetch(STRADDLING, warehouse, sku, at):
+                straddling.setdefault(segment, []).append(pair_sku)
         if at is None and sku is None:
             rows = await conn.fetch(NEGATIVE_LEVELS if negative else LEVELS, warehouse)
         elif at is None:
