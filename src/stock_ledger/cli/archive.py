@@ -3,21 +3,29 @@ archival")."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from stock_ledger.archive import check
-from stock_ledger.archive import run as archival
 from stock_ledger.cli.args import emit, table
 from stock_ledger.clients.database import operator_session
 from stock_ledger.clients.kafka import check_kafka
+from stock_ledger.errors import ConfigError
 from stock_ledger.ledger import archives, pgtime
 
 if TYPE_CHECKING:
     import argparse
 
     from stock_ledger.config import Settings
+
+
+def require_pyarrow() -> None:
+    """pyarrow (Parquet) comes with the `archive` extra only: the worker never loads it, and the image leaves it out."""
+    if importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError("the archive needs pyarrow, which this installation lacks: pip install "
+                          "'stock-ledger[archive]' (the image ships without it: docs/operations.md, \"Retention and "
+                          'archival")')
 
 
 def _logs_to_stderr() -> None:
@@ -28,6 +36,9 @@ def _logs_to_stderr() -> None:
 
 
 async def run(settings: Settings, args: argparse.Namespace) -> int:
+    require_pyarrow()
+    from stock_ledger.archive import run as archival  # noqa: PLC0415 - pyarrow: the archive extra only
+
     _logs_to_stderr()
     await check_kafka(settings)
     conn = await operator_session(settings)
@@ -63,6 +74,9 @@ async def list_archives(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def verify(settings: Settings, args: argparse.Namespace) -> int:
+    require_pyarrow()
+    from stock_ledger.archive import check  # noqa: PLC0415 - pyarrow: the archive extra only
+
     conn = await operator_session(settings)
     try:
         segments = args.segment or [r["segment"] for r in await archives.archives(conn)]
@@ -78,6 +92,9 @@ async def verify(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def restore(settings: Settings, args: argparse.Namespace) -> int:
+    require_pyarrow()
+    from stock_ledger.archive import check  # noqa: PLC0415 - pyarrow: the archive extra only
+
     conn = await operator_session(settings)
     try:
         await pgtime.install(conn)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stock_ledger.archive import parquet
+from stock_ledger.cli.archive import require_pyarrow
 from stock_ledger.cli.args import table
 from stock_ledger.clients.database import reader_session
 from stock_ledger.errors import ConfigError
@@ -55,6 +55,9 @@ def with_archived(settings: Settings, found: LevelsAt, warehouse: str, at: datet
         raise ConfigError(f"the stock as of {at.isoformat()} needs movements archived in "
                           f"{', '.join(found.straddling)} (they occurred on both sides of it): set "
                           "STOCK_LEDGER_ARCHIVE_DIR to the archive directory (`stock-ledger archive list`)")
+    require_pyarrow()
+    from stock_ledger.archive import parquet  # noqa: PLC0415 - pyarrow: the archive extra only
+
     directory = Path(settings.archive_dir)
     on_hand = {x.sku: x.on_hand for x in found.levels}
     for segment, skus in found.straddling.items():
