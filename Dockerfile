@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1.7
-# stock-ledger worker image. Two stages: `build` resolves dependencies and builds the wheel into a venv, `runtime`
-# copies only that venv onto a fresh slim base. The image runs as a numeric non-root uid and writes nowhere but
-# /tmp, so it runs under readOnlyRootFilesystem (the Helm chart mounts an emptyDir there).
+# stock-ledger worker image (built with LOCK=requirements-archive.lock: the archive image). Two stages: `build`
+# resolves dependencies and builds the wheel into a venv, `runtime` copies only that venv onto a fresh slim base.
+# The image runs as a numeric non-root uid and writes nowhere but /tmp (and the archive CronJob's volume), so it
+# runs under readOnlyRootFilesystem (the Helm chart mounts an emptyDir there).
 # Rules checked by tests/deploy/test_dockerfile.py.
 
 # One pinned patch release for both stages: the venv's interpreter symlinks must resolve to the same Python.
@@ -16,8 +17,12 @@ WORKDIR /src
 # Dependencies layer: it depends on pyproject.toml and the hash-pinned lock alone, so an edit to the source reuses
 # it. --require-hashes: every distribution is checked against requirements.lock (`make lock` regenerates it);
 # binary wheels only, so nothing is compiled from an unpinned build environment.
-COPY pyproject.toml requirements.lock ./
-RUN pip install --require-hashes --only-binary=:all: --no-deps -r requirements.lock
+# LOCK=requirements-archive.lock builds the archive image (`make archive-image`, tag <version>-archive): the same
+# pins plus the `archive` extra (pyarrow, about 170 MiB), which `stock-ledger archive` needs and the worker never
+# loads, so the worker's image leaves it out.
+ARG LOCK=requirements.lock
+COPY pyproject.toml requirements.lock requirements-archive.lock ./
+RUN pip install --require-hashes --only-binary=:all: --no-deps -r "$LOCK"
 # The wheels' extension modules carry their symbol tables (uvloop's loop: 13.6 MB, 1.6 MB stripped; fastavro and
 # asyncpg alike): stripped, the venv is under half its size. binutils stays in this stage (the official slim base
 # has none; the stand-in scripts/containers.sh builds has it).

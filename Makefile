@@ -76,26 +76,32 @@ bench: venv services
 # --- Containers: the image, its lock, and the tests that run what we ship (scripts/containers.sh) ---
 UV_VERSION ?= 0.13.8
 LOCK_COMMAND = $(BIN)/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes \
-	--quiet --custom-compile-command 'make lock' -o requirements.lock
+	--quiet --custom-compile-command 'make lock'
 TESTCONTAINERS_ENV = env -u KAFKA_BOOTSTRAP_SERVERS -u DATABASE_URL \
 	DOCKER_HOST=$$(scripts/containers.sh service socket) TESTCONTAINERS_RYUK_DISABLED=true \
 	TESTCONTAINERS_CONNECTION_MODE=docker_host \
 	STOCK_LEDGER_KAFKA_IMAGE=localhost/stock-ledger-kafka:4.1.1 \
 	STOCK_LEDGER_POSTGRES_IMAGE=localhost/stock-ledger-postgres:15
 
-.PHONY: lock image containers test-testcontainers
+.PHONY: lock image archive-image containers test-testcontainers
 
-# Regenerates requirements.lock (hash-pinned, what the image installs) from pyproject.toml's dependencies.
+# Regenerates requirements.lock (hash-pinned, what the image installs) from pyproject.toml's dependencies, and
+# requirements-archive.lock (the same plus the `archive` extra: the archive image) from the same resolution.
 lock: venv
 	@test -x $(BIN)/uv || $(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
-	$(LOCK_COMMAND)
+	$(LOCK_COMMAND) -o requirements.lock
+	$(LOCK_COMMAND) --extra archive --constraint requirements.lock -o requirements-archive.lock
 
 # localhost/stock-ledger:dev from the Dockerfile with podman (a stand-in base where no registry answers).
 image:
 	scripts/containers.sh image
 
+# localhost/stock-ledger:dev-archive: the same with the `archive` extra (pyarrow), for the archive CronJob.
+archive-image:
+	scripts/containers.sh archive-image
+
 # Everything the container tests need: the image, and local Kafka/PostgreSQL images for testcontainers.
-containers: image
+containers: image archive-image
 	scripts/containers.sh test-images
 
 # The path a laptop with a container engine takes: tests/conftest.py starts Kafka and PostgreSQL through

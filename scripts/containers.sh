@@ -3,6 +3,8 @@
 #   install          apt-get install podman, buildah, runc, mmdebstrap, prometheus; point podman at runc + cgroupfs
 #   base             the Dockerfile's base image: pulled if a registry answers, else a stand-in from Debian packages
 #   image            build localhost/stock-ledger:dev from the Dockerfile (runs install and base first)
+#   archive-image    build localhost/stock-ledger:dev-archive: the same with the `archive` extra (pyarrow), for
+#                    the chart's archive CronJob (LOCK=requirements-archive.lock)
 #   test-images      local Kafka and PostgreSQL 15 images for the testcontainers path of tests/conftest.py
 #   service start|stop|socket
 #                    podman's Docker-compatible API on a unix socket (testcontainers talks to it)
@@ -15,6 +17,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${STOCK_LEDGER_CACHE:-$HOME/.cache/stock-ledger}"
 STATE="${STOCK_LEDGER_STATE:-$HOME/.local/state/stock-ledger}"
 IMAGE="${STOCK_LEDGER_IMAGE:-localhost/stock-ledger:dev}"
+# The chart's default for archive.image: the app image's repository, its tag with -archive.
+ARCHIVE_IMAGE="${STOCK_LEDGER_ARCHIVE_IMAGE:-$IMAGE-archive}"
 KAFKA_VERSION="${KAFKA_VERSION:-4.1.1}"
 # The names tests/conftest.py asks testcontainers for (overridable there with the same variables).
 KAFKA_TEST_IMAGE="${STOCK_LEDGER_KAFKA_IMAGE:-localhost/stock-ledger-kafka:$KAFKA_VERSION}"
@@ -141,6 +145,8 @@ standin() {
 }
 
 image() {
+    # image [TAG [LOCK]]: the worker's image by default; archive-image passes its tag and lock.
+    local tag="${1:-$IMAGE}" lock="${2:-requirements.lock}"
     install
     base
     local name revision
@@ -150,7 +156,7 @@ image() {
     if [[ "$revision" != unknown ]] && ! git -C "$ROOT" diff --quiet HEAD 2>/dev/null; then
         revision+="-dirty"
     fi
-    log "building $IMAGE from $ROOT/Dockerfile (base $name)"
+    log "building $tag from $ROOT/Dockerfile (base $name, $lock)"
     # pip reaches the package index only with the host's CA bundle (TLS-intercepting proxies do this too): it is
     # mounted for the build's RUN steps only, so nothing of it ends up in a layer. --pull=never: the base is
     # local (pulled or stand-in) by now.
@@ -160,8 +166,9 @@ image() {
         --build-arg "REVISION=$revision" \
         --build-arg "VERSION=$(pyproject_value version)" \
         --build-arg "SOURCE=$(pyproject_value Source)" \
-        -t "$IMAGE" "$ROOT" >/dev/null
-    log "built $IMAGE in $((SECONDS - started)) s: image $(image_size "$IMAGE"), venv $(venv_size "$IMAGE")"
+        --build-arg "LOCK=$lock" \
+        -t "$tag" "$ROOT" >/dev/null
+    log "built $tag in $((SECONDS - started)) s: image $(image_size "$tag"), venv $(venv_size "$tag")"
 }
 
 image_size() { podman image inspect --format '{{.Size}}' "$1" | numfmt --to=iec --suffix=B; }
@@ -255,11 +262,12 @@ main() {
         install) install ;;
         base) install; base ;;
         image) image ;;
+        archive-image) image "$ARCHIVE_IMAGE" requirements-archive.lock ;;
         test-images) test_images ;;
         service) shift; service "$@" ;;
         cleanup) cleanup ;;
         base-name) base_image ;;
-        *) die "usage: $0 install|base|image|test-images|service start|stop|socket|cleanup|base-name" ;;
+        *) die "usage: $0 install|base|image|archive-image|test-images|service start|stop|socket|cleanup|base-name" ;;
     esac
 }
 

@@ -4,10 +4,10 @@
 #      and that CHANGELOG.md has a dated section for it (`scripts/release.sh bump x.y.z` sets the three);
 #   2. builds the wheel and the sdist (python -m build) into DIST;
 #   3. builds the image localhost/stock-ledger:VERSION (scripts/containers.sh image: OCI labels version, revision,
-#      source, licenses);
+#      source, licenses), and the archive image localhost/stock-ledger:VERSION-archive (the same with pyarrow);
 #   4. packages the chart into DIST/stock-ledger-VERSION.tgz; with a registry its image.registry defaults to it, so
 #      the published chart runs the image published beside it;
-#   5. with REGISTRY: pushes the image to REGISTRY/stock-ledger:VERSION (podman) and the chart to
+#   5. with REGISTRY: pushes the images to REGISTRY/stock-ledger:VERSION and :VERSION-archive (podman), the chart to
 #      oci://REGISTRY/charts (helm). PLAIN_HTTP=1 for an HTTP registry such as scripts/oci-registry.sh's.
 # Usage: scripts/release.sh VERSION [--registry HOST[:PORT]] [--plain-http] [--dist DIR]
 #        scripts/release.sh bump VERSION      (pyproject.toml, Chart.yaml, and a CHANGELOG.md section dated today)
@@ -77,6 +77,9 @@ release() {
     local image="localhost/stock-ledger:$version"
     log "image $image"
     STOCK_LEDGER_IMAGE="$image" bash "$ROOT/scripts/containers.sh" image
+    # The archive CronJob's image (the chart's archive.image default: the same repository, tag VERSION-archive).
+    log "image $image-archive"
+    STOCK_LEDGER_IMAGE="$image" bash "$ROOT/scripts/containers.sh" archive-image
 
     log "chart $dist/stock-ledger-$version.tgz"
     local work
@@ -99,14 +102,16 @@ release() {
             tls=(--tls-verify=false)
             http=(--plain-http)
         fi
-        log "pushing $registry/stock-ledger:$version"
+        log "pushing $registry/stock-ledger:$version and $registry/stock-ledger:$version-archive"
         podman tag "$image" "$registry/stock-ledger:$version"
         podman push -q "${tls[@]}" --digestfile "$dist/image.digest" "$registry/stock-ledger:$version"
+        podman tag "$image-archive" "$registry/stock-ledger:$version-archive"
+        podman push -q "${tls[@]}" --digestfile "$dist/image-archive.digest" "$registry/stock-ledger:$version-archive"
         log "pushing the chart to oci://$registry/charts"
         "$helm" push "${http[@]}" "$dist/stock-ledger-$version.tgz" "oci://$registry/charts" >/dev/null
-        log "released $version: image $registry/stock-ledger:$version@$(cat "$dist/image.digest"), chart oci://$registry/charts/stock-ledger --version $version"
+        log "released $version: image $registry/stock-ledger:$version@$(cat "$dist/image.digest"), archive image $registry/stock-ledger:$version-archive@$(cat "$dist/image-archive.digest"), chart oci://$registry/charts/stock-ledger --version $version"
     else
-        log "built $version in $dist and $image (no REGISTRY: nothing pushed)"
+        log "built $version in $dist, $image and $image-archive (no REGISTRY: nothing pushed)"
     fi
     find "$dist" -maxdepth 1 -type f -printf "[release]   %f\n" | sort >&2
 }

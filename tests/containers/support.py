@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 IMAGE = os.environ.get("STOCK_LEDGER_IMAGE", "localhost/stock-ledger:dev")
+# The archive CronJob's image (`make archive-image`): the same with pyarrow, tagged like the chart's default.
+ARCHIVE_IMAGE = os.environ.get("STOCK_LEDGER_ARCHIVE_IMAGE", f"{IMAGE}-archive")
 LABEL = "stock-ledger.test=true"
-HINT = "run `make containers` (scripts/containers.sh image / test-images) first"
+HINT = "run `make containers` (scripts/containers.sh image / archive-image / test-images) first"
 
 
 def podman_path() -> str:
@@ -49,7 +51,8 @@ class Containers:
     started: list[str] = field(default_factory=list)
     image: str = IMAGE
 
-    def run_args(self, name: str, env: dict[str, str], *, memory: str = "256m") -> list[str]:
+    def run_args(self, name: str, env: dict[str, str], *, memory: str = "256m",
+                 volumes: dict[str, str] | None = None) -> list[str]:
         args = [
             "--name", name, "--label", LABEL,
             # The chart's securityContext: read-only root (podman mounts a tmpfs on /tmp like the chart's
@@ -60,14 +63,22 @@ class Containers:
         ]
         for key, value in {**self.env, **env}.items():
             args += ["--env", f"{key}={value}"]
+        for host, inside in (volumes or {}).items():  # a volume, like the chart's PVC
+            args += ["--volume", f"{host}:{inside}:rw"]
         return args
 
-    def once(self, *command: str, env: dict[str, str] | None = None, timeout: float = 180) -> str:
-        """A subcommand run to completion in a fresh container; its output, or the failure with its logs."""
+    def run(self, *command: str, env: dict[str, str] | None = None, volumes: dict[str, str] | None = None,
+            memory: str = "256m", timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        """A subcommand run to completion in a fresh container, whatever its exit code."""
         name = f"sl-test-{uuid.uuid4().hex[:8]}"
         self.started.append(name)
-        done = podman("run", "--rm", *self.run_args(name, env or {}), self.image, *command, check=False,
-                      timeout=timeout)
+        return podman("run", "--rm", *self.run_args(name, env or {}, memory=memory, volumes=volumes), self.image,
+                      *command, check=False, timeout=timeout)
+
+    def once(self, *command: str, env: dict[str, str] | None = None, volumes: dict[str, str] | None = None,
+             memory: str = "256m", timeout: float = 180) -> str:
+        """A subcommand run to completion in a fresh container; its output, or the failure with its logs."""
+        done = self.run(*command, env=env, volumes=volumes, memory=memory, timeout=timeout)
         output = f"{done.stderr[-3000:]}{done.stdout[-3000:]}"
         assert done.returncode == 0, f"`{' '.join(command)}` in the image exited {done.returncode}:\n{output}"
         return done.stdout

@@ -67,6 +67,11 @@ def catalog(registry: str) -> set[str]:
         return set(json.load(response)["repositories"])
 
 
+def tags(registry: str, repository: str) -> set[str]:
+    with urllib.request.urlopen(f"http://{registry}/v2/{repository}/tags/list", timeout=10) as response:
+        return set(json.load(response)["tags"])
+
+
 def check_distributions(dist: Path) -> None:
     """The wheel and the sdist carry the version and the licence."""
     with zipfile.ZipFile(dist / f"stock_ledger-{VERSION}-py3-none-any.whl") as wheel:
@@ -98,6 +103,8 @@ async def test_make_release_publishes_what_installs_and_runs(
     """1. `make release` builds and pushes; the wheel and sdist carry the version and the licence.
     2. The registry serves the chart: `helm show chart` has version = appVersion = pyproject's version.
     3. `helm template` from the registry names the image published beside it.
+       With archive.enabled its CronJob names the archive image published beside it (VERSION-archive), which
+       pulls from the registry with the same labels.
     4. That image, removed locally and pulled from the registry, has the OCI labels (version, revision, source,
        licenses), reports the version, and migrates, creates the topic and drains 2,000 movements exactly."""
     dist = tmp_path / "dist"
@@ -124,6 +131,18 @@ async def test_make_release_publishes_what_installs_and_runs(
     image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == f"{registry}/stock-ledger:{VERSION}"
     assert await asyncio.to_thread(catalog, registry) == {"stock-ledger", "charts/stock-ledger"}
+    # ... and the archive CronJob's image, published beside it.
+    [cronjob] = [d for d in yaml.safe_load_all(helm(
+        "template", "ledger", chart_ref, "--version", VERSION, "--plain-http", "--namespace", "inventory",
+        "--set", "database.existingSecret=db", "--set", "database.migrationSecret=db-owner",
+        "--set", "archive.enabled=true", home=home)) if d and d["kind"] == "CronJob"]
+    archive_image = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert archive_image == f"{registry}/stock-ledger:{VERSION}-archive"
+    assert await asyncio.to_thread(tags, registry, "stock-ledger") == {VERSION, f"{VERSION}-archive"}
+    podman("rmi", "-f", archive_image)
+    podman("pull", "-q", "--tls-verify=false", archive_image, timeout=300)
+    check_labels(archive_image)
+    podman("rmi", "-f", archive_image)
 
     # 4. The image, from the registry only.
     podman("rmi", "-f", image)

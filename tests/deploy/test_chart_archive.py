@@ -120,7 +120,8 @@ class TestSchedule:
 
 
 class TestContainer:
-    """`stock-ledger archive run` from the app image, called the way the migration Job calls `migrate`."""
+    """`stock-ledger archive run` from the archive image (the app image with pyarrow, tagged <tag>-archive), called
+    the way the migration Job calls `migrate`."""
 
     def test_runs_archive_run_through_the_images_entrypoint(self, archive_render: Rendered,
                                                            all_render: Rendered) -> None:
@@ -130,7 +131,34 @@ class TestContainer:
             assert migrate["args"] == ["migrate"]
             assert "command" not in archive
             assert "command" not in migrate
-            assert (archive["image"], archive["imagePullPolicy"]) == (migrate["image"], migrate["imagePullPolicy"])
+
+    def test_the_archive_image_is_the_app_images_archive_variant(self, archive_render: Rendered,
+                                                               render: Callable[..., Rendered]) -> None:
+        """By default the app image's repository, registry and tag with -archive (what `make release` pushes);
+        never the worker's image itself, which has no pyarrow."""
+        archive, migrate = _archive(archive_render), _container(archive_render.one("Job", "-migrate"))
+        assert archive["image"] == f"{migrate['image']}-archive"
+        assert archive["imagePullPolicy"] == "IfNotPresent"
+        app = ("--set", "image.registry=registry.example.com:5000", "--set", "image.repository=team/stock-ledger",
+               "--set", "image.tag=1.4.2")
+        assert _archive(render(*REQUIRED, *ENABLED, *app))["image"] == (
+            "registry.example.com:5000/team/stock-ledger:1.4.2-archive")
+        # the worker pinned by digest: that digest is not the archive image's, so its tag is used
+        pinned = ("--set", "image.digest=sha256:" + "a" * 64)
+        assert _archive(render(*REQUIRED, *ENABLED, *app, *pinned))["image"] == (
+            "registry.example.com:5000/team/stock-ledger:1.4.2-archive")
+        glob = ("--set", "global.imageRegistry=mirror.internal")
+        assert _archive(render(*REQUIRED, *ENABLED, *app, *glob))["image"] == (
+            "mirror.internal/team/stock-ledger:1.4.2-archive")
+
+    def test_each_part_of_the_archive_image_can_be_set(self, render: Callable[..., Rendered]) -> None:
+        own = ("--set", "archive.image.registry=other.example.com", "--set", "archive.image.repository=ops/archiver",
+               "--set", "archive.image.tag=7.1", "--set", "archive.image.pullPolicy=Always")
+        archive = _archive(render(*REQUIRED, *ENABLED, *own))
+        assert (archive["image"], archive["imagePullPolicy"]) == ("other.example.com/ops/archiver:7.1", "Always")
+        digest = "sha256:" + "b" * 64
+        archive = _archive(render(*REQUIRED, *ENABLED, *own, "--set", f"archive.image.digest={digest}"))
+        assert archive["image"] == f"other.example.com/ops/archiver@{digest}"
 
     def test_archive_dir_and_retention(self, archive_render: Rendered, all_render: Rendered) -> None:
         for rendered, days in ((archive_render, "90"), (all_render, "30")):
@@ -353,6 +381,10 @@ def test_the_install_notes_name_the_cronjob_and_the_claim(run_helm: Callable[...
         pytest.param(("archive.persistence.existingClaim=Archive_1",), "/archive/persistence/existingClaim",
                      id="bad-claim-name"),
         pytest.param(("archive.resources.limits=null",), "/archive/resources", id="no-memory-limit"),
+        pytest.param(("archive.image.tag=latest",), "/archive/image/tag", id="latest-archive-image"),
+        pytest.param(("archive.image.digest=sha256:short",), "/archive/image/digest", id="bad-archive-digest"),
+        pytest.param(("archive.image.pullPolicy=Sometimes",), "/archive/image/pullPolicy", id="bad-pull-policy"),
+        pytest.param(("archive.image.name=x",), "/archive/image", id="unknown-image-key"),
     ],
 )
 def test_the_schema_refuses(run_helm: Callable[..., HelmResult], flags: tuple[str, ...], expected: str) -> None:

@@ -57,6 +57,7 @@ def test_all_features_renders_every_optional_object(render: Callable[..., Render
             "PersistentVolumeClaim"} <= rendered.kinds()
     images = {c["image"] for m in rendered.manifests if m["kind"] in POD_KINDS for c in pod_spec(m)["containers"]}
     assert images == {"registry.example.com/inventory/stock-ledger:0.1.0",
+                      "registry.example.com/inventory/stock-ledger:0.1.0-archive",
                       "registry.example.com/inventory/stock-ledger-chaos:0.1.0"}
 
 

@@ -217,8 +217,8 @@ class TestBuildStage:
         build = stages[0]
         copies = [i.flags_and_operands()[1] for i in build.all("COPY")]
         assert copies, "the build stage copies nothing"
-        assert copies[0][:-1] == ["pyproject.toml", "requirements.lock"], (
-            "copy pyproject.toml and requirements.lock alone first (dependency layer)"
+        assert copies[0][:-1] == ["pyproject.toml", "requirements.lock", "requirements-archive.lock"], (
+            "copy pyproject.toml and the locks alone first (dependency layer)"
         )
         first_copy = build.all("COPY")[0].line
         source_copy = build.all("COPY")[1].line
@@ -232,7 +232,9 @@ class TestBuildStage:
         installs = [i.args for i in stages[0].all("RUN") if "pip install" in i.args and "-r " in i.args]
         assert len(installs) == 1, "install dependencies once, from requirements.lock"
         assert "--require-hashes" in installs[0], "install with `pip install --require-hashes`"
-        assert "-r requirements.lock" in installs[0]
+        assert '-r "$LOCK"' in installs[0]
+        # the worker's image by default; requirements-archive.lock (the archive image) only when asked for
+        assert [i.args for i in stages[0].all("ARG")] == ["LOCK=requirements.lock"]
 
     def test_the_venv_ships_without_pip_and_setuptools(self, stages: list[Stage]) -> None:
         last = stages[0].all("RUN")[-1].args

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import tomllib
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -19,15 +20,17 @@ from .support import REPO
 pytestmark = pytest.mark.deploy
 
 LOCK = REPO / "requirements.lock"
+# The archive image's (Dockerfile LOCK=requirements-archive.lock): the same pins plus the `archive` extra.
+ARCHIVE_LOCK = REPO / "requirements-archive.lock"
 # The image's platform: markers are evaluated as the Linux runtime would.
 LINUX = {"sys_platform": "linux", "platform_system": "Linux", "os_name": "posix", "python_version": "3.11",
          "implementation_name": "cpython", "platform_python_implementation": "CPython"}
-HINT = "run `make lock` and commit requirements.lock"
+HINT = "run `make lock` and commit requirements.lock and requirements-archive.lock"
 
 
-def lock_entries() -> dict[str, tuple[str, list[str], str]]:
+def lock_entries(lock: Path = LOCK) -> dict[str, tuple[str, list[str], str]]:
     """name -> (version, hashes, marker text) for every `name==version` entry of the lock."""
-    text = LOCK.read_text()
+    text = lock.read_text()
     entries: dict[str, tuple[str, list[str], str]] = {}
     for block in re.split(r"\n(?=\S)", text):
         if block.startswith("#") or not block.strip():
@@ -91,3 +94,28 @@ def test_the_lock_is_closed_under_dependencies() -> None:
 def test_every_pin_carries_hashes() -> None:
     for name, (version, hashes, _) in lock_entries().items():
         assert hashes, f"requirements.lock pins {name}=={version} without --hash; {HINT}"
+
+
+def test_the_archive_lock_is_the_image_lock_plus_the_archive_extra() -> None:
+    """The archive image runs the same code on the same pins as the worker's, plus pyarrow within the extra's range,
+    closed under its dependencies and hash-pinned."""
+    base, archive = lock_entries(), lock_entries(ARCHIVE_LOCK)
+    changed = {name for name in base if archive.get(name, ("",))[0] != base[name][0]}
+    assert not changed, f"requirements-archive.lock pins {sorted(changed)} differently from requirements.lock; {HINT}"
+    extra = [Requirement(text) for text in
+             tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["archive"]]
+    for requirement in extra:
+        name = canonicalize_name(requirement.name)
+        assert name in archive, f"{requirement} is not in requirements-archive.lock; {HINT}"
+        assert requirement.specifier.contains(archive[name][0]), (
+            f"requirements-archive.lock pins {name}=={archive[name][0]}, outside {requirement}; {HINT}")
+    added = set(archive) - set(base)
+    for name in added:
+        assert archive[name][1], f"requirements-archive.lock pins {name} without --hash; {HINT}"
+        for text in metadata.requires(name) or []:
+            dependency = Requirement(text)
+            if applies(dependency):
+                assert canonicalize_name(dependency.name) in archive, (
+                    f"{name} needs {dependency}, which requirements-archive.lock lacks; {HINT}")
+    assert added == {canonicalize_name(r.name) for r in extra}, (
+        f"requirements-archive.lock adds {sorted(added)} beyond the archive extra; {HINT}")

@@ -14,15 +14,14 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import pyarrow.parquet as pq
 import pytest
-from aiokafka import TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
 from stock_ledger.archive import run as archival
 from stock_ledger.config import load_settings
 from stock_ledger.ledger import archives
 from tests.integration.test_operate import Result, cli
 from tests.integration.test_repair import send_to_partition
-from tests.support.helpers import Env, Services, WorkerPool, assert_exact, movement, wait_drained
+from tests.support.helpers import Env, Services, WorkerPool, assert_exact, delete_records_below, movement, wait_drained
+from tests.support.services import ensure_login_role
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -32,6 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(
 P = 3
 T0 = datetime(2026, 1, 5, 8, 0, tzinfo=UTC)
 SEGMENT = f"stock_movements_p{P}_o0"
+READER = "stock_ledger_archive_reader_test"  # a local LOGIN member of stock_ledger_reader; its password the same
 _ROWS = ("SELECT movement_id, warehouse_id, sku, qty, kind, occurred_at, kafka_topic, kafka_partition, kafka_offset, "
          "kafka_timestamp, applied_at FROM stock_movements WHERE kafka_partition = $1 AND kafka_offset < $2 "
          "ORDER BY kafka_offset")
@@ -61,16 +61,6 @@ async def _sql(url: str, query: str, *args: object) -> list[asyncpg.Record]:
         await conn.close()
 
 
-async def _delete_below(services: Services, topic: str, offset: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka)
-    await admin.start()
-    try:
-        await admin.delete_records({TopicPartition(topic, P): RecordsToDelete(before_offset=offset)},
-                                   timeout_ms=10_000)
-    finally:
-        await admin.close()
-
-
 async def _answers(workers: WorkerPool, env: dict[str, str]) -> dict[str, Any]:
     """Everything the ledger says about the two SKUs: on-hand now and as of 13 times (some inside the archived
     range, one at each end), and the movements with their running on-hand."""
@@ -91,8 +81,8 @@ async def _answers(workers: WorkerPool, env: dict[str, str]) -> dict[str, Any]:
     return found
 
 
-async def _archive(workers: WorkerPool, *args: str, **env: str) -> Result:
-    return await cli(workers, "archive", *args, **env)
+async def _archive(workers: WorkerPool, *args: str, url: str | None = None, **env: str) -> Result:
+    return await cli(workers, "archive", *args, url=url, **env)
 
 
 async def test_a_segment_leaves_only_when_nothing_needs_it_and_every_answer_stays_the_same(  # noqa: PLR0915 - one story
@@ -117,7 +107,7 @@ async def test_a_segment_leaves_only_when_nothing_needs_it_and_every_answer_stay
     r = await _archive(workers, "run", **env)
     assert r.code == 0, r.err
     assert f"kept {SEGMENT} (p{P} [0, 40)): Kafka still holds offsets of it (log start 0)" in r.out, r.out
-    await _delete_below(services, topic, 45)
+    await delete_records_below(services.kafka, topic, P, 45)
 
     # 2. A gap in its range awaiting acknowledgement keeps it; so does the retention.
     (gap,) = await _sql(database.owner_url, "INSERT INTO ledger_gaps (group_id, topic, partition, first_offset, "
@@ -184,12 +174,17 @@ async def test_a_segment_leaves_only_when_nothing_needs_it_and_every_answer_stay
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
 
-    # 6. The archive verifies; a changed byte is named; a restore brings back exactly its rows for an audit.
-    r = await _archive(workers, "verify", **env)
-    assert r.code == 0, r.out + r.err
-    assert f"{SEGMENT}: ok (39 movements)" in r.out
-    listing = await _archive(workers, "list", "--json", **env)
-    assert [a["segment"] for a in json.loads(listing.out)["archives"]] == [SEGMENT]
+    # 6. The archive verifies, for an auditor too (a member of stock_ledger_reader: list and verify only read); a
+    #    changed byte is named; a restore brings back exactly its rows for an audit.
+    await ensure_login_role(services.admin_url, READER, READER, "stock_ledger_reader")
+    reader = services.url_for(database.name, user=READER, password=READER)
+    for url in (database.owner_url, reader):
+        r = await _archive(workers, "verify", url=url, **env)
+        assert r.code == 0, r.out + r.err
+        assert f"{SEGMENT}: ok (39 movements)" in r.out
+        listing = await _archive(workers, "list", "--json", url=url, **env)
+        assert listing.code == 0, listing.out + listing.err
+        assert [a["segment"] for a in json.loads(listing.out)["archives"]] == [SEGMENT]
     path = directory / f"{SEGMENT}.parquet"
     good = path.read_bytes()
     path.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
@@ -221,7 +216,7 @@ async def test_a_run_stopped_after_the_archive_was_recorded_is_finished_by_the_n
     await wait_drained(services, database, topic, workers.group, 60, workers)
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
-    await _delete_below(services, topic, 40)
+    await delete_records_below(services.kafka, topic, P, 40)
     directory = tmp_path / "archive"
     directory.mkdir()
     env = {"STOCK_LEDGER_ARCHIVE_DIR": str(directory), "STOCK_LEDGER_RETENTION_DAYS": "0"}

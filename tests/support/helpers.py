@@ -19,7 +19,7 @@ from typing import Final
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
 
 from stock_ledger.ledger.claims import Claims
 from stock_ledger.ledger.transaction import Ledger
@@ -401,3 +401,14 @@ def process_state(pid: int) -> str:
     """The kernel's state letter for `pid` (R, S, T for stopped, Z...)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat.rsplit(")", 1)[1].split()[0]
+
+
+async def delete_records_below(bootstrap: str, topic: str, partition: int, offset: int) -> None:
+    """Kafka's retention at work: the partition's log start moves to `offset` (its records below are deleted)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_records({TopicPartition(topic, partition): RecordsToDelete(before_offset=offset)},
+                                   timeout_ms=10_000)
+    finally:
+        await admin.close()

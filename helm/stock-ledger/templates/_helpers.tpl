@@ -144,6 +144,19 @@ registry defaults to image.registry.
 {{- end }}
 {{- end }}
 
+{{/*
+The archive CronJob's image: the app image's repository with the tag <tag>-archive (what `make archive-image` and
+`make release` build: pyarrow included), each part overridable in archive.image. Its registry defaults to
+image.registry. Only archive.image.digest pins it: image.digest is the worker image's.
+*/}}
+{{- define "stock-ledger.archiveImage" -}}
+{{- $a := .Values.archive.image }}
+{{- $registry := include "stock-ledger.registry" (dict "registry" (default .Values.image.registry $a.registry) "ctx" .) }}
+{{- $tag := default (printf "%s-archive" (include "stock-ledger.imageTag" .)) $a.tag }}
+{{- $image := dict "repository" (default .Values.image.repository $a.repository) "tag" $tag "digest" $a.digest }}
+{{- include "stock-ledger.imageRef" (dict "image" $image "registry" $registry "ctx" .) }}
+{{- end }}
+
 {{- define "stock-ledger.databaseSecret" -}}
 {{- required "database.existingSecret is required: the name of an existing Secret holding the worker's DATABASE_URL" .Values.database.existingSecret }}
 {{- end }}

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from stock_ledger.cli.args import emit, table
-from stock_ledger.clients.database import operator_session
+from stock_ledger.clients.database import operator_session, reader_session
 from stock_ledger.clients.kafka import check_kafka
 from stock_ledger.errors import ConfigError
 from stock_ledger.ledger import archives, pgtime
@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 def require_pyarrow() -> None:
     """pyarrow (Parquet) comes with the `archive` extra only: the worker never loads it, and the image leaves it out."""
     if importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError("the archive needs pyarrow, which this installation lacks: pip install "
-                          "'stock-ledger[archive]' (the image ships without it: docs/operations.md, \"Retention and "
-                          'archival")')
+        raise ConfigError("the archive needs pyarrow, which this installation lacks: run the archive image "
+                          "(stock-ledger:<version>-archive, the chart's archive.image) or pip install "
+                          "'stock-ledger[archive]'; the worker's image ships without it (docs/operations.md, "
+                          '"Retention and archival")')
 
 
 def _logs_to_stderr() -> None:
@@ -57,7 +58,8 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def list_archives(settings: Settings, args: argparse.Namespace) -> int:
-    conn = await operator_session(settings)
+    # Read-only: a member of stock_ledger_reader (an auditor) may list and verify; run and restore need the owner.
+    conn = await reader_session(settings)
     try:
         rows = await archives.archives(conn)
     finally:
@@ -77,7 +79,7 @@ async def verify(settings: Settings, args: argparse.Namespace) -> int:
     require_pyarrow()
     from stock_ledger.archive import check  # noqa: PLC0415 - pyarrow: the archive extra only
 
-    conn = await operator_session(settings)
+    conn = await reader_session(settings)
     try:
         segments = args.segment or [r["segment"] for r in await archives.archives(conn)]
         verdicts = [await check.verify(settings, conn, s) for s in segments]
