@@ -180,8 +180,8 @@ def _passed(settings: Settings, segment: archives.Segment, facts: _Partition) ->
 async def _kept_because(conn: asyncpg.Connection, settings: Settings, segment: archives.Segment, facts: _Partition,
                         horizon: datetime) -> str | None:
     """Why the ledger still needs the segment online, if it does."""
-    newest = await archives.newest_applied(conn, segment.table)
-    if newest is not None and newest > horizon:
+    newest = await archives.newest_applied(conn, segment.table, horizon)
+    if newest is not None:
         return f"its newest movement was applied at {newest.isoformat(timespec='seconds')}, within the retention"
     gaps = await offsets.gaps_of(conn, settings.group_id, settings.topic, segment.partition)
     last = segment.end_offset - 1

@@ -66,7 +66,9 @@ SELECT kafka_topic, kafka_partition, count(*) AS rows, min(kafka_offset), max(ka
        max(applied_at)
   FROM public.{table} GROUP BY 1, 2
 """
-_NEWEST: Final = "SELECT max(applied_at) FROM public.{table}"
+# Only movements applied after the horizon: the segment's BRIN on applied_at skips every block range older than it,
+# so a segment past the retention is judged without reading it (max() alone would read the whole segment).
+_NEWEST: Final = "SELECT max(applied_at) FROM public.{table} WHERE applied_at > $1"
 _ROWS: Final = f"SELECT {', '.join(COLUMNS)} FROM public.{{table}} ORDER BY kafka_offset"
 _RECORD: Final = """
 INSERT INTO ledger_archives (segment, kafka_topic, kafka_partition, first_offset, end_offset, rows, qty,
@@ -132,8 +134,9 @@ async def all_archived_runs(conn: asyncpg.Connection) -> dict[tuple[str, int], l
     return found
 
 
-async def newest_applied(conn: asyncpg.Connection, table: str) -> datetime | None:
-    value: datetime | None = await conn.fetchval(_NEWEST.format(table=table_name(table)))
+async def newest_applied(conn: asyncpg.Connection, table: str, after: datetime) -> datetime | None:
+    """The segment's newest applied_at if it is after `after`, else None."""
+    value: datetime | None = await conn.fetchval(_NEWEST.format(table=table_name(table)), after)
     return value
 
 
