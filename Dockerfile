@@ -14,7 +14,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 WORKDIR /src
-# Dependencies layer: it depends on pyproject.toml and the hash-pinned lock alone, so an edit to the source reuses
+# Dependencies layer: it depends on pyproject.toml and the hash-pinned locks alone, so an edit to the source reuses
 # it. --require-hashes: every distribution is checked against requirements.lock (`make lock` regenerates it);
 # binary wheels only, so nothing is compiled from an unpinned build environment.
 # LOCK=requirements-archive.lock builds the archive image (`make archive-image`, tag <version>-archive): the same

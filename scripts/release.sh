@@ -79,7 +79,8 @@ release() {
     STOCK_LEDGER_IMAGE="$image" bash "$ROOT/scripts/containers.sh" image
     # The archive CronJob's image (the chart's archive.image default: the same repository, tag VERSION-archive).
     log "image $image-archive"
-    STOCK_LEDGER_IMAGE="$image" bash "$ROOT/scripts/containers.sh" archive-image
+    STOCK_LEDGER_IMAGE="$image" STOCK_LEDGER_ARCHIVE_IMAGE="$image-archive" \
+        bash "$ROOT/scripts/containers.sh" archive-image
 
     log "chart $dist/stock-ledger-$version.tgz"
     local work
