@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 import uvloop
 from scripts.benchkit import ROOT, STARTED, Bench, environment, ints, say
-from scripts.benchmarks import drain, growth, membership, peers, soak, transactional
+from scripts.benchmarks import drain, growth, membership, peers, reads, soak, transactional
 from tests.support.services import discover
 
 PROG = "python -m scripts.bench"
@@ -69,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
     grow.add_argument("--postgres-memory", metavar="LIMIT", help="drain with PostgreSQL's processes in a memory "
                       "cgroup of LIMIT (e.g. 3G, above shared_buffers; cgroup v1, root), page cache dropped first")
     scale.add_argument("--workers", type=ints, default=[1, 2, 3, 6], help="worker counts (default 1,2,3,6)")
+    reads.add_arguments(add("reads", reads.measure, "`stock show --at T` on a large ledger, every read cold"))
     p = add("soak", soak.measure_soak, "latency, memory and invariant checks under a steady load")
     p.add_argument("--minutes", type=float, required=True, help="how long the producer runs")
     p.add_argument("--rate", type=int, default=5_000, help="movements/s (default %(default)s)")

@@ -258,6 +258,10 @@ class Settings:
     # How often a running worker reads the topic's cleanup.policy (compaction switched on halts it): its own setting,
     # as an invariant refresh of an hour (the advice for large ledgers) would leave compaction unseen that long.
     compaction_check_seconds: float = 60.0
+    # Closing balances (ledger/closings.py): how often the monitor's leader takes one (0: never), and after how many
+    # days the old ones are thinned to the first of each UTC day.
+    closing_seconds: float = 3_600.0
+    closing_daily_after_days: int = 7
     log_level: str = "info"
     log_format: LogFormat = "auto"
     migrations_dir: str | None = None
@@ -487,6 +491,13 @@ VARIABLES: Final[tuple[Variable, ...]] = (
     Variable("STOCK_LEDGER_COMPACTION_CHECK_SECONDS", "compaction_check_seconds", _floats(0.1, 86_400),
              "how often each worker reads the topic's `cleanup.policy`: compaction switched on while it runs "
              "halts it (exit 1) within this long, before compaction deletes movements it has not applied"),
+    Variable("STOCK_LEDGER_CLOSING_SECONDS", "closing_seconds", _floats(0, 2_592_000),
+             "how often the monitor's leader takes a closing balance (`stock_levels` copied with the stored "
+             "offsets), from which `stock show --at` reads: it then sums only the movements around T, about this "
+             "long's worth. Each costs one row per nonzero (warehouse, SKU) level. 0: none (`--at` sums the history)"),
+    Variable("STOCK_LEDGER_CLOSING_DAILY_AFTER_DAYS", "closing_daily_after_days", _ints(1, 36_500),
+             "closings older than this many days are thinned to the first of each UTC day (an `--at` that old then "
+             "sums up to a day's movements)"),
     Variable("STOCK_LEDGER_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"),
              "`debug` adds one line per committed batch"),
     Variable("STOCK_LEDGER_LOG_FORMAT", "log_format", _choice("auto", "json", "console"),

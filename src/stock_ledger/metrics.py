@@ -230,6 +230,9 @@ class Metrics:
                                    leader=True)
     negative_stock_units = _gauge("negative_stock_units",
                                   "Sum of the deficits of the pairs below zero, as a positive number.", leader=True)
+    closing_age_seconds = _gauge("closing_age_seconds",
+                                 "Age of the newest closing balance (`stock show --at` reads from it; taken every "
+                                 "STOCK_LEDGER_CLOSING_SECONDS).", leader=True)
     build_info = _gauge("build_info", "Versions of stock-ledger and its drivers.",
                         ["version", "python", "aiokafka", "asyncpg"])
 
@@ -264,7 +267,7 @@ class Metrics:
                       self.lag_seconds, self.gap):
             gauge.clear()
         for value in (self.partitions_ahead, self.level_mismatches, self.missing_records,
-                      self.negative_stock_levels, self.negative_stock_units):
+                      self.negative_stock_levels, self.negative_stock_units, self.closing_age_seconds):
             value.set(0)
         self.coordinates_unique.set(1)  # until a check says otherwise: absent is not broken
 

@@ -59,6 +59,7 @@ CONTRACT_GAUGES = frozenset(
         "stock_ledger_negative_stock_levels",
         "stock_ledger_negative_stock_units",
         "stock_ledger_segment_headroom",
+        "stock_ledger_closing_age_seconds",
         "stock_ledger_build_info",
     }
 )

@@ -15,7 +15,7 @@ from scripts import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SUBCOMMANDS = ["drain", "peers", "growth", "scale-out", "soak", "verify", "membership", "transactional"]
+SUBCOMMANDS = ["drain", "peers", "growth", "scale-out", "reads", "soak", "verify", "membership", "transactional"]
 
 
 def test_help_lists_exactly_the_agreed_subcommands() -> None:

@@ -173,7 +173,7 @@ def test_a_slow_read_says_so_on_stderr(capsys: pytest.CaptureFixture[str]) -> No
     asyncio.run(commands.say_when_slow(0.01))
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("stock-ledger: still reading stock_movements after 0.01s (a full scan")
+    assert captured.err.startswith("stock-ledger: still reading stock_movements after 0.01s (`movements` and `--at`")
 
 
 def test_cli_sessions_are_read_only_whatever_the_role() -> None:

@@ -159,8 +159,8 @@ async def bench_explain(bench: kit.Bench, a: argparse.Namespace) -> dict[str, An
             ("stock show --warehouse W", stock.LEVELS, (w,)),
             ("stock show --warehouse W --sku S", stock.LEVEL, (w, s)),
             ("stock show --warehouse W --negative", stock.NEGATIVE_LEVELS, (w,)),
-            ("stock show --warehouse W --at T", stock.LEVELS_AT, (w, at)),
-            ("stock show --warehouse W --sku S --at T", stock.LEVEL_AT, (w, s, at)),
+            ("stock show --warehouse W --at T", stock.FORWARD_AT, (w, at)),
+            ("stock show --warehouse W --sku S --at T", stock.FORWARD_AT_SKU, (w, at, s)),
             ("movements --sku S --limit 100", stock.HISTORY, (s, None, 100)),
             ("movements --sku S --warehouse W --limit 100", stock.HISTORY_IN_WAREHOUSE, (s, w, None, 100)),
         ]:

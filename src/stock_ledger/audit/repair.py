@@ -59,7 +59,7 @@ from stock_ledger.audit.ranges import Run, describe, difference, merged
 from stock_ledger.clients.database import transaction
 from stock_ledger.errors import CoordinateConflictError, StockLedgerError
 from stock_ledger.formats.resolver import Formats
-from stock_ledger.ledger import offsets
+from stock_ledger.ledger import closings, offsets
 from stock_ledger.ledger.batch import M_ID, R_CODE, Batch, build_batch
 from stock_ledger.ledger.movements import (
     MOVEMENT_ID_KEY,
@@ -349,6 +349,7 @@ async def _chunk(run: _Run, tp: TopicPartition, records: list[Any]) -> _Chunk:
         # database_rejected with the refusal and its raw bytes, and the rest of the chunk is written.
         movements, rejects, _ = await copy_isolating(conn, batch, movements, rejects)
         await add_levels(conn, movements, batch.levels if movements is batch.movements else None)
+        await closings.include(conn, movements)  # below the stored offset: below the cuts of recent closings
         done.applied, done.applied_ids = len(movements), [m[M_ID] for m in movements]
         done.quarantined = Counter(r[R_CODE] for r in rejects)
         await conn.execute(_AUDIT, report.run_id, settings.group_id, topic, partition, todo[0].offset,

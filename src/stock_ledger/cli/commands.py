@@ -275,7 +275,9 @@ COMMANDS: Final[tuple[Command, ...]] = (
                 description="On-hand now (from stock_levels), or as of --at T: the sum of the movements whose "
                             "occurred_at is <= T. That is business time (when the movement happened, as the "
                             "producer says), not the order the ledger applied movements in: a late-arriving "
-                            "movement that occurred before T counts.",
+                            "movement that occurred before T counts. SKUs at zero as of T are not listed. It starts "
+                            "from the closing balance taken nearest T (STOCK_LEDGER_CLOSING_SECONDS) and reads only "
+                            "the movements between the two.",
                 arguments=(
                     arg("--warehouse", required=True, help="warehouse_id (exact)"),
                     arg("--sku", help="one SKU only"),

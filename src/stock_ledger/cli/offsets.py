@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 from stock_ledger.cli.args import emit, parse_partitions, past_time, table
 from stock_ledger.clients.database import operator_session, transaction
 from stock_ledger.errors import ConfigError, OperatorError
-from stock_ledger.ledger import movements, offsets
+from stock_ledger.ledger import closings, movements, offsets
 from stock_ledger.topics import LogBounds, describe_group, log_bounds, partitions_of
 
 if TYPE_CHECKING:
@@ -198,12 +198,15 @@ async def _move(conn: asyncpg.Connection, settings: Settings, x: _Step, args: ar
                 members: int) -> dict[str, Any]:
     note, dry_run = args.note, bool(args.dry_run)
     epoch = await offsets.move(conn, settings.group_id, settings.topic, x.partition, x.target)
+    # Back: the workers may now write below the cut of a closing taken since (a hole they skipped); it would miss them.
+    forgotten = (await closings.forget_above(conn, settings.topic, x.partition, x.target)
+                 if x.before is not None and x.target < x.before else 0)
     change: dict[str, Any] = {
         "topic": settings.topic, "group": settings.group_id, "partition": x.partition,
         "next_offset_before": x.before, "next_offset_after": x.target,
         "epoch_before": x.epoch_before, "epoch_after": epoch,
         "log_start": x.log.start, "log_end": x.log.end, "live_members_fenced": members,
-        "gap": None, "dry_run": dry_run,
+        "gap": None, "closings_forgotten": forgotten, "dry_run": dry_run,
     }
     if x.skipped:
         gap = await offsets.record_skip(conn, settings.group_id, settings.topic, x.partition, first=x.start,
@@ -223,6 +226,9 @@ def _describe_change(c: dict[str, Any]) -> str:
         text += (f"\n{'would record' if c['dry_run'] else 'recorded'} gap #{g['id']}: offsets {g['first_offset']}.."
                  f"{g['last_offset']} ({g['records']} records) skipped, acknowledged by {g['acknowledged_by']}: "
                  f"{g['note']}")
+    if c["closings_forgotten"]:
+        text += (f"\n{'would forget' if c['dry_run'] else 'forgot'} {c['closings_forgotten']} closing(s) whose cut lay "
+                 "past the new offset (`stock show --at` reads the others)")
     if c["live_members_fenced"]:
         text += (f"\n{c['live_members_fenced']} live member(s) will be fenced at their next batch on the partition "
                  "and exit to claim it again")

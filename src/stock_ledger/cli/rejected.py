@@ -16,7 +16,7 @@ from stock_ledger.clients.database import operator_session, transaction
 from stock_ledger.domain import Movement, RejectCode, parse
 from stock_ledger.errors import ConfigError, OperatorError
 from stock_ledger.formats.resolver import Formats
-from stock_ledger.ledger import movements, pgtime
+from stock_ledger.ledger import closings, movements, pgtime
 from stock_ledger.ledger.batch import M_ID, M_OFFSET, M_PARTITION, M_TOPIC, headers_of
 from stock_ledger.progress import Progress
 
@@ -116,6 +116,7 @@ async def _replay_batch(conn: asyncpg.Connection, rows: Sequence[asyncpg.Record]
         await movements.delete_replayed(conn, [by_coordinates[m[M_TOPIC], m[M_PARTITION], m[M_OFFSET]]
                                                for m in applied])
         await movements.add_levels(conn, applied)
+        await closings.include(conn, applied)  # at their own coordinates, below the cuts of recent closings
     if stays:
         await movements.record_attempts(conn, {i: f"{code}: {reason}" for i, (code, reason) in stays.items()})
     report.examined += len(rows)

@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 
 
 async def say_when_slow(after: float) -> None:
-    # `--at` and `movements` scan stock_movements (no index on it for them: docs/performance.md, "Warehouse signals").
+    # `movements` scans stock_movements (no index on it for a SKU: docs/performance.md, "Warehouse signals"); `--at`
+    # sums the movements between T and the nearest closing, or the whole history before the first one.
     await asyncio.sleep(after)
-    print(f"stock-ledger: still reading stock_movements after {after:g}s (a full scan: 4-8 s per 20M movements "
-          'measured; docs/performance.md, "Warehouse signals")', file=sys.stderr, flush=True)
+    print(f"stock-ledger: still reading stock_movements after {after:g}s (`movements` and `--at` before the first "
+          "closing balance read the whole history: 4-8 s per 20M movements; docs/performance.md)",
+          file=sys.stderr, flush=True)
 
 
 async def show(settings: Settings, args: argparse.Namespace) -> int:

@@ -11,10 +11,11 @@ Two clocks, never mixed:
   (per warehouse) is what `stock_levels` held after each row. `went_negative_at` is application time too: the
   commit of the batch that took the level below zero.
 
-Cost on a large ledger (`python -m scripts.bench signals`, docs/performance.md): the now-queries read
-`stock_levels` by its primary key or by the partial index on negative levels (milliseconds); `--at` and
-`movements` read `stock_movements`, which has no index on (sku, warehouse): one cost the ingest path +29 % (the
-budget is 10 %), so they scan the table, 4-8 s per 20M movements.
+Cost on a large ledger (docs/performance.md): the now-queries read `stock_levels` by its primary key or by the
+partial index on negative levels (milliseconds). `--at` starts from a closing balance (ledger/closings.py) and
+reads only the movements around T, found by the BRIN on (occurred_at, kafka_offset) (`python -m scripts.bench
+reads`). `movements` scans a SKU's rows: `stock_movements` has no index on (sku, warehouse), which would cost the
+ingest path +29-86 % (the budget is 10 %): 4-8 s per 20M movements.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from stock_ledger.errors import StockLedgerError
 
 if TYPE_CHECKING:
     import uuid
+    from collections.abc import Sequence
     from datetime import datetime
 
     import asyncpg
@@ -47,23 +49,99 @@ NEGATIVE_LEVELS: Final = """
 SELECT warehouse_id, sku, on_hand, went_negative_at FROM stock_levels
  WHERE warehouse_id = $1 AND went_negative_at IS NOT NULL ORDER BY sku
 """
-# As of business time T. "Since when" is not known at T without replaying the history: NULL. Archived segments
-# count through archived_sums: whole where all their movements of the pair occurred at or before T; those with
-# movements on both sides of T are `STRADDLING`, and the caller sums their archive files up to T.
-LEVELS_AT: Final = """
+# As of business time T: Σ qty of the movements with occurred_at <= T, read one of three ways (`levels_at`), all
+# exact and in one snapshot, the cheapest the closings allow. "Since when" is not known at T without replaying the
+# history: NULL. Archived segments count through archived_sums: whole where all their movements of the pair
+# occurred at or before T; those with movements on both sides of T are `STRADDLING`, and the caller sums their
+# archive files up to T. SKUs whose on-hand at T is zero are left out. {sku} narrows to one SKU ($4).
+#
+# forward: the online movements up to T (the BRIN on occurred_at skips the block ranges that are all later). Used
+# when no closing was taken before T: T lies before the closings began.
+_FORWARD_AT: Final = """
 SELECT warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamptz AS went_negative_at FROM (
-    SELECT warehouse_id, sku, qty AS q FROM stock_movements WHERE warehouse_id = $1 AND occurred_at <= $2
+    SELECT warehouse_id, sku, qty AS q FROM stock_movements WHERE warehouse_id = $1 AND occurred_at <= $2 {sku}
     UNION ALL
-    SELECT warehouse_id, sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2
-) AS m GROUP BY warehouse_id, sku ORDER BY sku
+    SELECT warehouse_id, sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
+) AS m GROUP BY warehouse_id, sku HAVING sum(q) <> 0 ORDER BY sku
 """
-LEVEL_AT: Final = """
-SELECT $1::text AS warehouse_id, $2::text AS sku,
-       (coalesce((SELECT sum(qty) FROM stock_movements WHERE warehouse_id = $1 AND sku = $2 AND occurred_at <= $3), 0)
-        + coalesce((SELECT sum(qty) FROM archived_sums
-                     WHERE warehouse_id = $1 AND sku = $2 AND last_occurred_at <= $3), 0))::bigint AS on_hand,
-       NULL::timestamptz AS went_negative_at
+# back from now: stock_levels (every movement), less the archived ones, less the online ones that occurred after
+# T, plus the archived ones up to T. Used when T is later than every closing: few movements occurred after it.
+_BACK_FROM_NOW_AT: Final = """
+SELECT $1::text AS warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamptz AS went_negative_at FROM (
+    SELECT sku, on_hand AS q FROM stock_levels WHERE warehouse_id = $1 {sku}
+    UNION ALL
+    SELECT sku, -qty FROM archived_sums WHERE warehouse_id = $1 {sku}
+    UNION ALL
+    SELECT sku, -qty FROM stock_movements WHERE warehouse_id = $1 AND occurred_at > $2 {sku}
+    UNION ALL
+    SELECT sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
+) AS m GROUP BY sku HAVING sum(q) <> 0 ORDER BY sku
 """
+# from a closing ($3; its topic $4): its balance counts exactly the movements below its cut, archived ones included
+# (a closing whose cut lies inside an archived segment is never chosen). Less the archived ones, less those below
+# the cut that occurred after T, plus those at or past the cut that occurred up to T (`_WRONG_SIDE`, per partition),
+# plus the archived ones up to T.
+_FROM_CLOSING_AT: Final = """
+SELECT $1::text AS warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamptz AS went_negative_at FROM (
+    SELECT sku, on_hand AS q FROM stock_closings WHERE closing_id = $3 AND warehouse_id = $1 {sku}
+    UNION ALL
+    SELECT sku, -qty FROM archived_sums WHERE warehouse_id = $1 {sku}
+    UNION ALL
+    SELECT sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
+    {wrong_side}
+) AS m GROUP BY sku HAVING sum(q) <> 0 ORDER BY sku
+"""
+# A partition's movements on the wrong side of the cut, as literal bounds: each subquery then reads only its
+# partition's segments, through their BRIN on (occurred_at, kafka_offset), only the block ranges that hold both its
+# offsets and its times: the movements that arrived around T, and the rare ones back- or future-dated.
+_WRONG_SIDE: Final = """
+    UNION ALL
+    SELECT sku, {sign}qty FROM stock_movements
+     WHERE kafka_topic = $4 AND kafka_partition = {partition} AND kafka_offset {offsets} {cut}
+       AND occurred_at {times} $2 AND warehouse_id = $1 {sku}"""
+_PARTITIONS: Final = """
+SELECT p.kafka_partition, coalesce(c.next_offset, 0) AS next_offset
+  FROM (SELECT kafka_partition FROM ledger_segments
+        UNION SELECT kafka_partition FROM closing_cuts WHERE closing_id = $1) AS p(kafka_partition)
+  LEFT JOIN closing_cuts AS c ON c.closing_id = $1 AND c.kafka_partition = p.kafka_partition
+ ORDER BY 1
+"""
+# The usable closings nearest T on each side, and now: a closing whose cut lies inside an archived segment cannot be
+# read (archived_sums hold a segment's sums whole).
+CLOSINGS_AROUND: Final = """
+WITH usable AS (
+    SELECT k.closing_id, k.kafka_topic, k.taken_at FROM ledger_closings AS k
+     WHERE NOT EXISTS (SELECT FROM ledger_archives AS a
+                        WHERE a.kafka_topic = k.kafka_topic
+                          AND a.end_offset > coalesce((SELECT c.next_offset FROM closing_cuts AS c
+                                                        WHERE c.closing_id = k.closing_id
+                                                          AND c.kafka_partition = a.kafka_partition), 0))
+), before AS (
+    SELECT * FROM usable WHERE taken_at < $1 ORDER BY taken_at DESC LIMIT 1
+), after AS (
+    SELECT * FROM usable WHERE taken_at >= $1 ORDER BY taken_at LIMIT 1
+)
+SELECT (SELECT closing_id FROM before) AS before_id, (SELECT kafka_topic FROM before) AS before_topic,
+       (SELECT taken_at FROM before) AS before_at, (SELECT closing_id FROM after) AS after_id,
+       (SELECT kafka_topic FROM after) AS after_topic, (SELECT taken_at FROM after) AS after_at, now() AS now
+"""
+
+
+def from_closing_at(cuts: Sequence[tuple[int, int]], *, sku: bool) -> str:
+    """`_FROM_CLOSING_AT` for a closing's cuts ((partition, first offset not counted) of every partition)."""
+    narrow = "AND sku = $5" if sku else ""
+    wrong = "".join(
+        _WRONG_SIDE.format(sign=sign, partition=int(partition), offsets=offsets, cut=int(cut), times=times, sku=narrow)
+        for partition, cut in cuts
+        for sign, offsets, times in (("-", "<", ">"), ("", ">=", "<="))
+        if offsets == ">=" or cut > 0)
+    return _FROM_CLOSING_AT.format(sku=narrow, wrong_side=wrong)
+
+
+FORWARD_AT: Final = _FORWARD_AT.format(sku="")
+FORWARD_AT_SKU: Final = _FORWARD_AT.format(sku="AND sku = $3")
+BACK_FROM_NOW_AT: Final = _BACK_FROM_NOW_AT.format(sku="")
+BACK_FROM_NOW_AT_SKU: Final = _BACK_FROM_NOW_AT.format(sku="AND sku = $3")
 STRADDLING: Final = """
 SELECT segment, sku FROM archived_sums
  WHERE warehouse_id = $1 AND ($2::text IS NULL OR sku = $2) AND first_occurred_at <= $3 AND last_occurred_at > $3
@@ -166,12 +244,12 @@ async def levels(
             rows = await conn.fetch(NEGATIVE_LEVELS if negative else LEVELS, warehouse)
         elif at is None:
             rows = await conn.fetch(LEVEL, warehouse, sku)
-        elif sku is None:
-            rows = await conn.fetch(LEVELS_AT, warehouse, at)
         else:
-            rows = await conn.fetch(LEVEL_AT, warehouse, sku, at)
+            rows = await levels_at(conn, warehouse, at, sku)
         found = [Level(r["warehouse_id"], r["sku"], r["on_hand"], r["went_negative_at"]) for r in rows]
-        # LEVEL_AT always answers (0 before the first movement): an unknown warehouse must still be said.
+        if at is not None and sku is not None and not found:
+            found = [Level(warehouse, sku, 0, None)]  # 0 before its first movement, or back to 0 by T
+        # An unknown warehouse must still be said.
         if (all(x.on_hand == 0 for x in found) and not straddling
                 and not await conn.fetchval(WAREHOUSE_KNOWN, warehouse)):
             raise NotFoundError(f"the ledger has no stock for warehouse {warehouse!r}: check the id (exact match, "
@@ -180,6 +258,29 @@ async def levels(
         raise NotFoundError(f"the ledger has no stock level for SKU {sku!r} in warehouse {warehouse!r}: check the "
                             "SKU (exact match, case-sensitive), or try `stock-ledger movements --sku`")
     return LevelsAt([x for x in found if x.on_hand < 0] if negative and at is None else found, straddling)
+
+
+async def levels_at(conn: asyncpg.Connection, warehouse: str, at: datetime,
+                    sku: str | None) -> list[asyncpg.Record]:
+    """The rows of `_FORWARD_AT`, `_BACK_FROM_NOW_AT` or `_FROM_CLOSING_AT`, whichever reads least: from the closing
+    taken nearest `at` (the movements read are those that arrived between the two), or back from now if now is
+    nearer; forward when `at` precedes every closing (the history before them has none). The caller holds the
+    transaction: one snapshot with the closings."""
+    # A read of many small per-partition scans costs enough for JIT, whose compiling (a few hundred ms) is most of it.
+    await conn.execute("SET LOCAL jit = off")
+    around = await conn.fetchrow(CLOSINGS_AROUND, at)
+    one = () if sku is None else (sku,)
+    if around["before_id"] is None:
+        return list(await conn.fetch(FORWARD_AT if sku is None else FORWARD_AT_SKU, warehouse, at, *one))
+    distance = {"before": at - around["before_at"], "now": around["now"] - at}
+    if around["after_id"] is not None:
+        distance["after"] = around["after_at"] - at
+    nearest = min(distance, key=lambda k: distance[k])
+    if nearest == "now":
+        return list(await conn.fetch(BACK_FROM_NOW_AT if sku is None else BACK_FROM_NOW_AT_SKU, warehouse, at, *one))
+    closing, topic = around[f"{nearest}_id"], around[f"{nearest}_topic"]
+    cuts = [(r["kafka_partition"], r["next_offset"]) for r in await conn.fetch(_PARTITIONS, closing)]
+    return list(await conn.fetch(from_closing_at(cuts, sku=sku is not None), warehouse, at, closing, topic, *one))
 
 
 async def history(

@@ -35,6 +35,7 @@ from stock_ledger.audit.compare import TopicRecords
 from stock_ledger.audit.invariants import TOPIC_STALL_SECONDS, Invariants
 from stock_ledger.clients import database, kafka
 from stock_ledger.gaps import find_gap
+from stock_ledger.ledger import closings
 from stock_ledger.ledger.offsets import stored_offsets
 from stock_ledger.ledger.stock import NEGATIVE_TOTALS
 from stock_ledger.topics import committed_offsets, partitions_of
@@ -74,6 +75,7 @@ class PositionMonitor:
         self._records: AIOKafkaConsumer | None = None  # the invariant check's own: it is assigned one partition
         self._partitions: list[int] = []
         self._checks = Invariants(settings.invariant_full_scan_seconds, holes_in=settings.topic)
+        self._started = time.monotonic()
 
     def start(self) -> None:
         self._tasks = [
@@ -84,6 +86,11 @@ class PositionMonitor:
             asyncio.create_task(self._every(self._s.position_refresh_seconds, self._negative_stock),
                                 name="negative-stock"),
         ]
+        if self._s.closing_seconds > 0:
+            # Ticks at most every 5 min; `take` itself decides whether the newest closing is old enough.
+            self._tasks.append(asyncio.create_task(
+                self._every(min(self._s.closing_seconds, 300.0), self._closings, limit_seconds=1_800),
+                name="closings"))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -213,6 +220,25 @@ class PositionMonitor:
         def export() -> None:
             self._m.negative_stock_levels.set(row["levels"])
             self._m.negative_stock_units.set(row["units"])
+        return export
+
+    async def _closings(self) -> Export:
+        async with (await self._db()).acquire() as conn:
+            taken = await closings.take(conn, self._s.topic, every_seconds=self._s.closing_seconds,
+                                        daily_after_days=self._s.closing_daily_after_days)
+            summarized = await closings.summarize(conn) if taken.closing_id is not None else 0
+            age = await conn.fetchval(closings.AGE, self._s.topic)
+        if taken.closing_id is not None:
+            log.info("closing.taken", closing_id=taken.closing_id, pairs=taken.pairs,
+                     seconds=round(taken.seconds, 3), thinned=taken.thinned, ranges_summarized=summarized)
+        elif taken.skipped and not taken.skipped.startswith(closings.NOT_DUE):
+            log.warning("closing.skipped", reason=taken.skipped)
+
+        # None taken yet: as old as this monitor, so that closings that never start are alerted on as well.
+        age_seconds = float(age) if age is not None else time.monotonic() - self._started
+
+        def export() -> None:
+            self._m.closing_age_seconds.set(age_seconds)
         return export
 
     async def _invariants(self) -> Export:
