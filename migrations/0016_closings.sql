@@ -1,16 +1,16 @@
 -- stock-ledger: online
--- Fast "as of" reads (issue 39): closing balances, and a BRIN on business time that finds a time window's rows.
+-- Fast "as of" reads (issue 39): closing balances, and the indexes that find a time window's movements.
 --
 -- A closing is stock_levels copied in one snapshot together with the stored offsets (its cut): it counts exactly
 -- the movements whose coordinates lie below the cut. `stock show --at T` reads the closing taken nearest after T
 -- and the few movements on the wrong side of it (docs/design.md, "Closings"). Taken by the monitor's leader every
--- STOCK_LEDGER_CLOSING_SECONDS; nothing in the batch writes them, so the ingest path pays only the BRIN.
+-- STOCK_LEDGER_CLOSING_SECONDS; nothing in the batch writes them, so the ingest path pays only the two indexes.
 --
 -- Online: each step is its own transaction (or, for the index, one per segment), safe to run again.
---   prepare   the closing tables; the BRIN on the partitioned table only (no segment indexed yet: no lock waited on)
---   index     the BRIN on each segment, one transaction each (a SHARE lock on that segment for its build: seconds on
---             a segment of 10M movements), attached to the table's index, a progress line each
---   finish    checks that every segment has it (the table's index is then valid, and segments made later get it)
+--   prepare   the closing tables; the indexes on the partitioned table only (no segment indexed yet: no lock waited on)
+--   index     the two indexes on each segment, one transaction each (a SHARE lock on that segment for its build:
+--             seconds on a segment of 10M movements), attached to the table's, a progress line each
+--   finish    checks that every segment has both (the table's are then valid, and segments made later get them)
 
 -- step: prepare
 -- One row per closing. `taken_at`: the transaction time of the snapshot (application time), which the reader
@@ -75,12 +75,22 @@ GRANT SELECT ON ledger_closings, closing_cuts, stock_closings TO stock_ledger_re
 -- A closing's cut names every partition the ledger has segments of.
 GRANT SELECT ON ledger_segments TO stock_ledger_app;
 
--- Business time and offset in one BRIN: a window of occurred_at within a range of offsets (the segment is one
--- Kafka partition) reads only the block ranges that hold both. minmax-multi for occurred_at: a back-dated movement
--- among recent ones stays a point of its range's summary instead of stretching it over the days in between.
+-- The movements of a time window, in two parts (ledger/stock.py reads both):
+-- - in step: occurred_at from 15 minutes before to 5 minutes after the record's Kafka timestamp (or, with none, the
+--   time the ledger applied it): nearly all of them, in offset order nearly in time order. A BRIN on business time
+--   and offset keeps, per segment (one Kafka partition), the block ranges that hold both a window of times and a
+--   range of offsets. Partial: one back-dated movement among thousands would otherwise stretch its range's summary
+--   over the hours in between, and every read would scan it.
+-- - out of step: the rest (a scanner that uploads a day late, a clock hours ahead, a record `repair` or `rejected
+--   replay` writes late). A B-tree on the offset holds only them, with what a read needs.
 -- autosummarize: a block range is summarized soon after it fills (an unsummarized range is read by every query).
 CREATE INDEX IF NOT EXISTS stock_movements_occurred_brin ON ONLY stock_movements
-    USING brin (occurred_at timestamptz_minmax_multi_ops, kafka_offset) WITH (autosummarize = on);
+    USING brin (occurred_at, kafka_offset) WITH (autosummarize = on)
+    WHERE (occurred_at - coalesce(kafka_timestamp, applied_at)) BETWEEN interval '-15 minutes' AND interval '5 minutes';
+CREATE INDEX IF NOT EXISTS stock_movements_out_of_step_idx ON ONLY stock_movements
+    USING btree (kafka_offset) INCLUDE (occurred_at, warehouse_id, sku, qty, kafka_topic)
+    WHERE NOT ((occurred_at - coalesce(kafka_timestamp, applied_at))
+               BETWEEN interval '-15 minutes' AND interval '5 minutes');
 
 -- What autosummarize left (its requests are dropped when autovacuum's queue is full, at a high ingest rate): the
 -- monitor calls this after each closing. SECURITY DEFINER: summarizing takes the index owner's rights; it takes
@@ -101,34 +111,44 @@ $f$;
 REVOKE ALL ON FUNCTION stock_ledger_summarize_occurred() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION stock_ledger_summarize_occurred() TO stock_ledger_app;
 
--- Each segment without the index gets it and is attached; segments made meanwhile are found on the next pass.
+-- Each segment without an index gets it and is attached; segments made meanwhile are found on the next pass.
 -- (No SET clause: a procedure with one cannot COMMIT. migrate's session pins the search_path, pg_catalog first.)
 CREATE OR REPLACE PROCEDURE stock_ledger_index_0016()
 LANGUAGE plpgsql AS $p$
 DECLARE
+    parent text;
     segment text;
+    child text;
     built bigint := 0;
-    pending bigint;
+    segments bigint;
     started timestamptz := clock_timestamp();
+    in_step constant text := '(occurred_at - coalesce(kafka_timestamp, applied_at)) '
+                             'BETWEEN interval ''-15 minutes'' AND interval ''5 minutes''';
 BEGIN
     LOOP
-        SELECT c.relname INTO segment
-          FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+        SELECT x.parent, c.relname INTO parent, segment
+          FROM (VALUES ('stock_movements_occurred_brin'), ('stock_movements_out_of_step_idx')) AS x(parent),
+               pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
          WHERE i.inhparent = 'public.stock_movements'::regclass
-           AND NOT EXISTS (SELECT FROM pg_inherits AS x JOIN pg_index AS ix ON ix.indexrelid = x.inhrelid
-                            WHERE x.inhparent = 'public.stock_movements_occurred_brin'::regclass
-                              AND ix.indrelid = c.oid)
-         ORDER BY c.relname LIMIT 1;
+           AND NOT EXISTS (SELECT FROM pg_inherits AS y JOIN pg_index AS ix ON ix.indexrelid = y.inhrelid
+                            WHERE y.inhparent = format('public.%I', x.parent)::regclass AND ix.indrelid = c.oid)
+         ORDER BY c.relname, x.parent LIMIT 1;
         EXIT WHEN segment IS NULL;
-        EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON public.%I USING brin '
-                       '(occurred_at timestamptz_minmax_multi_ops, kafka_offset) WITH (autosummarize = on)',
-                       segment || '_occurred_brin', segment);
-        EXECUTE format('ALTER INDEX public.stock_movements_occurred_brin ATTACH PARTITION public.%I',
-                       segment || '_occurred_brin');
+        IF parent = 'stock_movements_occurred_brin' THEN
+            child := segment || '_occurred_brin';
+            EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON public.%I USING brin (occurred_at, kafka_offset) '
+                           'WITH (autosummarize = on) WHERE %s', child, segment, in_step);
+        ELSE
+            child := segment || '_out_of_step_idx';
+            EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON public.%I USING btree (kafka_offset) '
+                           'INCLUDE (occurred_at, warehouse_id, sku, qty, kafka_topic) WHERE NOT (%s)', child,
+                           segment, in_step);
+        END IF;
+        EXECUTE format('ALTER INDEX public.%I ATTACH PARTITION public.%I', parent, child);
         built := built + 1;
         COMMIT;
-        SELECT count(*) INTO pending FROM pg_inherits AS i WHERE i.inhparent = 'public.stock_movements'::regclass;
-        RAISE NOTICE 'stock_movements_occurred_brin: % (% segments indexed of %, % s)', segment, built, pending,
+        SELECT count(*) INTO segments FROM pg_inherits AS i WHERE i.inhparent = 'public.stock_movements'::regclass;
+        RAISE NOTICE '%: % (% indexes built, % segments, % s)', parent, segment, built, segments,
             round(extract(epoch FROM clock_timestamp() - started));
     END LOOP;
 END
@@ -140,8 +160,11 @@ CALL stock_ledger_index_0016();
 -- step: finish
 DO $$
 BEGIN
-    IF NOT (SELECT indisvalid FROM pg_index WHERE indexrelid = 'public.stock_movements_occurred_brin'::regclass) THEN
-        RAISE EXCEPTION 'stock_movements_occurred_brin is not valid yet: a segment lacks it; run migrate again';
+    IF EXISTS (SELECT FROM pg_index WHERE indexrelid IN ('public.stock_movements_occurred_brin'::regclass,
+                                                          'public.stock_movements_out_of_step_idx'::regclass)
+                                      AND NOT indisvalid) THEN
+        RAISE EXCEPTION 'stock_movements_occurred_brin or stock_movements_out_of_step_idx is not valid yet: a '
+            'segment lacks it; run migrate again';
     END IF;
 END
 $$;

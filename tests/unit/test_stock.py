@@ -178,3 +178,16 @@ def test_a_slow_read_says_so_on_stderr(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_cli_sessions_are_read_only_whatever_the_role() -> None:
     assert READER_SESSION["default_transaction_read_only"] == "on"
+
+
+def test_the_reads_name_the_in_step_condition_that_migration_0016_indexes() -> None:
+    """The partial indexes serve a read only if its condition is theirs: the reader's text and the migration's, spaces
+    aside, are one (a drift would leave every `--at` scanning, right but slow)."""
+    from pathlib import Path  # noqa: PLC0415 - this test only
+
+    from stock_ledger.ledger.stock import IN_STEP  # noqa: PLC0415
+
+    sql = " ".join((Path(__file__).resolve().parents[2] / "migrations" / "0016_closings.sql").read_text().split())
+    condition = " ".join(IN_STEP.split())
+    assert f"WITH (autosummarize = on) WHERE {condition};" in sql
+    assert f"WHERE NOT ({condition});" in sql

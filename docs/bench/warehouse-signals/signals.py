@@ -12,6 +12,7 @@ kit they use. From the repository root (`PYTHONPATH=.`: the kit and the tests' s
 """
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -75,13 +76,24 @@ async def bench_copy(bench: kit.Bench, a: argparse.Namespace) -> dict[str, Any]:
     async with bench.owner() as conn:
         for table in tables.values():
             await conn.execute(f"CREATE TABLE {table} (LIKE stock_movements INCLUDING ALL)")
+            # An index of today's layout left out of both tables, so that the candidate is measured on its own.
+            for (name,) in await conn.fetch("SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = "
+                                            "$1::regclass AND strpos(pg_get_indexdef(indexrelid), $2) > 0",
+                                            table, a.drop_like) if a.drop_like else ():
+                await conn.execute(f"DROP INDEX {name}")
             await preload(conn, table, a.preloaded, a, 10_000_000_000)
         await conn.execute(a.index.format(table=tables["with"]))
         await conn.execute("VACUUM ANALYZE")
         await pgtime.install(conn)
         records: dict[int, list[Record]] = {}  # `stock-ledger produce`'s movements, built as the worker builds them
+        late = round(1 / a.late_share) if a.late_share else 0
         for i, (key, value) in enumerate(movements(total, a.skus, a.warehouses, seed=1)):
-            records.setdefault(p := i % kit.PARTITIONS, []).append(Record(p, i, 1_790_000_000_000, key, value))
+            # --late-share: each record's timestamp 2 s after its movement, one in 1/F a day after (out of step).
+            stamp = 1_790_000_000_000
+            if a.late_share is not None:
+                occurred = datetime.fromisoformat(json.loads(value)["occurred_at"])
+                stamp = int(occurred.timestamp() * 1000) + 2_000 + (86_400_000 if late and i % late == 0 else 0)
+            records.setdefault(p := i % kit.PARTITIONS, []).append(Record(p, i, stamp, key, value))
         rows = build_batch("warehouse.movements", records, dict.fromkeys(records, 1)).movements
         for n, i in enumerate(range(0, total, kit.BATCH)):
             for label in ("without", "with") if n % 2 == 0 else ("with", "without"):
@@ -207,6 +219,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--movements", type=int, default=20_000_000, help="the ledger of explain (default %(default)s)")
     p.add_argument("--index", default=CANDIDATE_INDEX, help="copy's candidate index, {table} for the table "
                    "(default %(default)r)")
+    p.add_argument("--drop-like", metavar="TEXT", help="copy: drop the indexes of today's layout whose definition "
+                   "holds TEXT from both tables first (to measure one of them as the candidate)")
+    p.add_argument("--late-share", type=float, metavar="F", help="copy: each record's Kafka timestamp 2 s after its "
+                   "movement and a share F a day after (default: one fixed timestamp for all)")
     p.set_defaults(command="signals", measure=measure)
     return p
 

@@ -55,11 +55,24 @@ SELECT warehouse_id, sku, on_hand, went_negative_at FROM stock_levels
 # occurred at or before T; those with movements on both sides of T are `STRADDLING`, and the caller sums their
 # archive files up to T. SKUs whose on-hand at T is zero are left out. {sku} narrows to one SKU ($4).
 #
-# forward: the online movements up to T (the BRIN on occurred_at skips the block ranges that are all later). Used
-# when no closing was taken before T: T lies before the closings began.
+# In step: occurred_at within 15 minutes before to 5 minutes after the record's Kafka timestamp (or the time the
+# ledger applied it), as migration 0016 defines it. Those are found by the BRIN on (occurred_at, kafka_offset), which
+# holds only them; the rest ("out of step": back-dated by more, future-dated, written late by repair) by a B-tree
+# that holds only them. Every read of a time window is the two, each with the same condition as its index.
+IN_STEP: Final = ("(occurred_at - coalesce(kafka_timestamp, applied_at)) "
+                  "BETWEEN interval '-15 minutes' AND interval '5 minutes'")
+
+
+def _both(select: str) -> str:
+    """`select` (with `{step}` where the condition goes) for the in-step movements and for the others."""
+    return f"{select.replace('{step}', IN_STEP)}\n    UNION ALL\n{select.replace('{step}', f'NOT ({IN_STEP})')}"
+
+
+# forward: the online movements up to T. Used when no closing was taken before T: T lies before the closings began.
 _FORWARD_AT: Final = """
 SELECT warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamptz AS went_negative_at FROM (
-    SELECT warehouse_id, sku, qty AS q FROM stock_movements WHERE warehouse_id = $1 AND occurred_at <= $2 {sku}
+""" + _both("    SELECT warehouse_id, sku, qty AS q FROM stock_movements\n"
+            "     WHERE warehouse_id = $1 AND occurred_at <= $2 {sku} AND {step}") + """
     UNION ALL
     SELECT warehouse_id, sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
 ) AS m GROUP BY warehouse_id, sku HAVING sum(q) <> 0 ORDER BY sku
@@ -72,7 +85,8 @@ SELECT $1::text AS warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamp
     UNION ALL
     SELECT sku, -qty FROM archived_sums WHERE warehouse_id = $1 {sku}
     UNION ALL
-    SELECT sku, -qty FROM stock_movements WHERE warehouse_id = $1 AND occurred_at > $2 {sku}
+""" + _both("    SELECT sku, -qty FROM stock_movements\n"
+            "     WHERE warehouse_id = $1 AND occurred_at > $2 {sku} AND {step}") + """
     UNION ALL
     SELECT sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
 ) AS m GROUP BY sku HAVING sum(q) <> 0 ORDER BY sku
@@ -96,9 +110,9 @@ SELECT $1::text AS warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamp
 # offsets and its times: the movements that arrived around T, and the rare ones back- or future-dated.
 _WRONG_SIDE: Final = """
     UNION ALL
-    SELECT sku, {sign}qty FROM stock_movements
+""" + _both("""    SELECT sku, {sign}qty FROM stock_movements
      WHERE kafka_topic = $4 AND kafka_partition = {partition} AND kafka_offset {offsets} {cut}
-       AND occurred_at {times} $2 AND warehouse_id = $1 {sku}"""
+       AND occurred_at {times} $2 AND warehouse_id = $1 {sku} AND {step}""")
 _PARTITIONS: Final = """
 SELECT p.kafka_partition, coalesce(c.next_offset, 0) AS next_offset
   FROM (SELECT kafka_partition FROM ledger_segments
