@@ -88,7 +88,7 @@ CREATE INDEX IF NOT EXISTS stock_movements_occurred_brin ON ONLY stock_movements
     USING brin (occurred_at, kafka_offset) WITH (autosummarize = on)
     WHERE (occurred_at - coalesce(kafka_timestamp, applied_at)) BETWEEN interval '-15 minutes' AND interval '5 minutes';
 CREATE INDEX IF NOT EXISTS stock_movements_out_of_step_idx ON ONLY stock_movements
-    USING btree (kafka_offset) INCLUDE (occurred_at, warehouse_id, sku, qty, kafka_topic)
+    USING btree (kafka_offset) INCLUDE (occurred_at, warehouse_id, sku, qty, kafka_topic, kafka_partition)
     WHERE NOT ((occurred_at - coalesce(kafka_timestamp, applied_at))
                BETWEEN interval '-15 minutes' AND interval '5 minutes');
 
@@ -141,7 +141,7 @@ BEGIN
         ELSE
             child := segment || '_out_of_step_idx';
             EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON public.%I USING btree (kafka_offset) '
-                           'INCLUDE (occurred_at, warehouse_id, sku, qty, kafka_topic) WHERE NOT (%s)', child,
+                           'INCLUDE (occurred_at, warehouse_id, sku, qty, kafka_topic, kafka_partition) WHERE NOT (%s)', child,
                            segment, in_step);
         END IF;
         EXECUTE format('ALTER INDEX public.%I ATTACH PARTITION public.%I', parent, child);
