@@ -2,7 +2,7 @@
 -- Fast "as of" reads (issue 39): closing balances, and the indexes that find a time window's movements.
 --
 -- A closing is stock_levels copied in one snapshot together with the stored offsets (its cut): it counts exactly
--- the movements whose coordinates lie below the cut. `stock show --at T` reads the closing taken nearest after T
+-- the movements whose coordinates lie below the cut. `stock show --at T` reads the closing positioned nearest T
 -- and the few movements on the wrong side of it (docs/design.md, "Closings"). Taken by the monitor's leader every
 -- STOCK_LEDGER_CLOSING_SECONDS; nothing in the batch writes them, so the ingest path pays only the two indexes.
 --
@@ -13,16 +13,21 @@
 --   finish    checks that every segment has both (the table's are then valid, and segments made later get them)
 
 -- step: prepare
--- One row per closing. `taken_at`: the transaction time of the snapshot (application time), which the reader
--- compares with business time only to pick the closing whose window of stragglers is smallest.
+-- One row per closing. `taken_at`: when it was taken (the clock of the database, for its age and its thinning).
+-- `positioned_at`: where it sits in business time, which the reader compares with T to pick the closing with the
+-- fewest movements on the wrong side: the median, over the Kafka partitions, of the Kafka timestamp of the newest
+-- movement it counts (`taken_at` if it counts none). Not `taken_at`: a closing taken while the workers catch up on a
+-- backlog counts movements hours older than the clock.
 CREATE TABLE IF NOT EXISTS ledger_closings (
-    closing_id  bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    kafka_topic text        NOT NULL,
-    taken_at    timestamptz NOT NULL DEFAULT now(),
-    pairs       bigint      NOT NULL CHECK (pairs >= 0),
-    seconds     real        NOT NULL DEFAULT 0
+    closing_id    bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    kafka_topic   text        NOT NULL,
+    taken_at      timestamptz NOT NULL DEFAULT now(),
+    positioned_at timestamptz NOT NULL,
+    pairs         bigint      NOT NULL CHECK (pairs >= 0),
+    seconds       real        NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS ledger_closings_taken_at_idx ON ledger_closings (kafka_topic, taken_at);
+CREATE INDEX IF NOT EXISTS ledger_closings_positioned_at_idx ON ledger_closings (kafka_topic, positioned_at);
 
 -- The cut: per Kafka partition, the first offset the closing does not count (the stored offset when it was taken).
 -- A partition without a row here is counted from nowhere: cut 0.

@@ -1,11 +1,14 @@
 """reads: `stock show --at T` on a ledger of --movements, every read cold (issue 39, requirement 4).
 
 The ledger is loaded as running workers leave it, one million movements per transaction with their stock_levels
-deltas and stored offsets: 24 partitions in offset order, --warehouses x --skus pairs, occurred_at the clock time at
-which the row is written, except 0.1 % back-dated by up to a day and 0.01 % future-dated by up to an hour. After every
---closing-every movements a closing is taken and the BRIN summarized, as the monitor's leader does
-(ledger/closings.py). The id registry's trigger is off during the load (it is not read here, and it is the slow part
-of a bulk load: "A ledger larger than memory").
+deltas and stored offsets: 24 partitions in offset order, --warehouses x --skus pairs. Business time advances as at
+--per-day movements a day (a load runs far faster than that, and a clock-time load would crowd a day's movements into
+minutes, so that the windows a read must cover, minutes wide, would hold hours of them): the Kafka timestamps run
+evenly up to the load's start, each movement occurred up to two minutes before its timestamp, except 0.1 %
+back-dated by up to a day and 0.01 % future-dated by up to an hour. After every --closing-every movements a closing is
+taken (positioned by those timestamps) and the BRIN summarized, as the monitor's leader does (ledger/closings.py).
+The id registry's trigger is off during the load (it is not read here, and it is the slow part of a bulk load: "A
+ledger larger than memory").
 
 Then --queries random (warehouse, T), T uniform between the first and the last closing, each read three ways by
 `stock_ledger.ledger.stock.levels` (what the CLI calls): the warehouse's stock as of T, one SKU's, and (the first
@@ -38,11 +41,12 @@ WITH written AS (
            'SKU-' || lpad((((i / $3) * 7919) % $4)::text, 6, '0'),
            CASE WHEN i % 10 < 6 THEN 1 + i % 100 ELSE -(1 + i % 100) END,
            (ARRAY['receipt', 'pick', 'return', 'transfer_in', 'transfer_out', 'adjustment'])[1 + i % 6],
-           CASE WHEN i % 1000 = 7 THEN clock_timestamp() - ((i * 7919) % 86400) * interval '1 second'
-                WHEN i % 10000 = 13 THEN clock_timestamp() + ((i * 104729) % 3600) * interval '1 second'
-                ELSE clock_timestamp() END,
-           $5, (i % 24)::int, i / 24, clock_timestamp()
-      FROM generate_series($1::bigint, $2::bigint - 1) AS i
+           CASE WHEN i % 1000 = 7 THEN t - ((i * 7919) % 86400) * interval '1 second'
+                WHEN i % 10000 = 13 THEN t + ((i * 104729) % 3600) * interval '1 second'
+                ELSE t - ((i * 31) % 120) * interval '1 second' END,
+           $5, (i % 24)::int, i / 24, t
+      FROM generate_series($1::bigint, $2::bigint - 1) AS i,
+           LATERAL (SELECT date_trunc('milliseconds', $6::timestamptz + i * $7::float8 * interval '1 second')) AS s(t)
     RETURNING warehouse_id, sku, qty
 )
 INSERT INTO stock_levels AS l (warehouse_id, sku, on_hand, went_negative_at)
@@ -66,35 +70,49 @@ async def measure(bench: kit.Bench, a: argparse.Namespace) -> str:
     bench.results["load"] = load
     rng = random.Random(a.seed)
     async with bench.owner() as conn:
-        taken = [r[0] for r in await conn.fetch("SELECT taken_at FROM ledger_closings ORDER BY taken_at")]
-    first, last = taken[0], taken[-1]
+        placed = [r[0] for r in await conn.fetch("SELECT positioned_at FROM ledger_closings ORDER BY 1")]
+    first, last = placed[0], placed[-1]
     asks = [(f"WH-{rng.randrange(a.warehouses):03d}", first + (last - first) * rng.random(),
              f"SKU-{rng.randrange(a.skus):06d}") for _ in range(a.queries)]
     reads: list[dict[str, Any]] = []
     for n, (warehouse, at, sku) in enumerate(asks):
         entry: dict[str, Any] = {"warehouse": warehouse, "at": at.isoformat(), "sku": sku}
-        entry["warehouse_seconds"], levels = await _cold_read(bench, warehouse, at, None)
-        entry["sku_seconds"], one = await _cold_read(bench, warehouse, at, sku)
+        entry["warehouse_seconds"], levels = await _cold_read(bench, (warehouse, at, None),
+                                                              statements=entry.setdefault("statements", []))
+        entry["sku_seconds"], one = await _cold_read(bench, (warehouse, at, sku))
         entry["skus"] = len(levels)
         if {x.sku: x.on_hand for x in one} != {sku: {x.sku: x.on_hand for x in levels}.get(sku, 0)}:
             raise RuntimeError(f"{warehouse} {sku} at {at}: the SKU's read disagrees with the warehouse's")
         if n < a.baseline:
-            entry["history_seconds"], whole = await _cold_read(bench, warehouse, at, None, whole_history=True)
+            entry["history_seconds"], whole = await _cold_read(bench, (warehouse, at, None), whole_history=True)
             if [(x.sku, x.on_hand) for x in whole] != [(x.sku, x.on_hand) for x in levels]:
                 raise RuntimeError(f"{warehouse} at {at}: the closing's answer differs from the whole history's")
         kit.say(f"read {n + 1}/{len(asks)}: {warehouse} at {at.isoformat()}: {entry['warehouse_seconds']:.3f}s, "
                 f"one SKU {entry['sku_seconds']:.3f}s" + (f", whole history {entry['history_seconds']:.1f}s"
                                                          if "history_seconds" in entry else ""))
         reads.append(entry)
+    if a.rebuild_brin:
+        # A diagnosis, not what a ledger runs: the BRINs as one build leaves them, against as the inserts left them.
+        async with bench.owner() as conn:
+            began = time.perf_counter()
+            await conn.execute("REINDEX INDEX stock_movements_occurred_brin")
+            bench.results["rebuild_seconds"] = time.perf_counter() - began
+        kit.say(f"BRINs rebuilt in {bench.results['rebuild_seconds']:.0f}s; the warehouses again")
+        for n, entry in enumerate(reads):
+            at = datetime.fromisoformat(entry["at"])
+            entry["rebuilt_seconds"], again = await _cold_read(bench, (entry["warehouse"], at, None))
+            if len(again) != entry["skus"]:
+                raise RuntimeError(f"{entry['warehouse']} at {at}: a different answer after the rebuild")
+            kit.say(f"read {n + 1}/{len(reads)} (rebuilt): {entry['rebuilt_seconds']:.3f}s")
     bench.results["reads"] = reads
     summary = {name: {"median": statistics.median(v), "p95": kit.percentile(v, 0.95), "max": max(v)}
-               for name in ("warehouse_seconds", "sku_seconds", "history_seconds")
+               for name in ("warehouse_seconds", "sku_seconds", "history_seconds", "rebuilt_seconds")
                if (v := [r[name] for r in reads if name in r])}
     bench.results["summary"] = summary
     rows = [(name.removesuffix("_seconds"), len([r for r in reads if name in r]), f"{s['median']:.3f}",
              f"{s['p95']:.3f}", f"{s['max']:.3f}") for name, s in summary.items()]
-    title = (f"stock-ledger reads: `stock show --at T` on {a.movements:,} movements, a closing every "
-             f"{a.closing_every:,}, cold (PostgreSQL restarted, page cache dropped before each read)")
+    title = (f"stock-ledger reads: `stock show --at T` on {a.movements:,} movements ({a.per_day:,} a day), a "
+             f"closing every {a.closing_every:,}, cold (PostgreSQL restarted, page cache dropped before each read)")
     sizes = (f"(load {load['seconds']:.0f}s; {load['closings']} closings of {load['pairs']:,} pairs; stock_movements "
              f"{load['movements_bytes'] / 2**30:.1f} GiB, closings {load['closings_bytes'] / 2**20:.0f} MiB, BRIN "
              f"{load['brin_bytes'] / 2**20:.1f} MiB)")
@@ -106,10 +124,12 @@ async def _load(bench: kit.Bench, a: argparse.Namespace) -> dict[str, Any]:
     async with bench.owner() as conn:
         await conn.execute(kit.SEGMENTS, list(range(24)), [a.movements // 24 + 1] * 24)
         await conn.execute("ALTER TABLE stock_movements DISABLE TRIGGER register_movement_ids")
+        step = 86_400 / a.per_day
+        start = await conn.fetchval("SELECT now() - $1::float8 * interval '1 second'", a.movements * step)
         for lo in range(0, a.movements, CHUNK):
             hi = min(a.movements, lo + CHUNK)
             async with conn.transaction():
-                await conn.execute(_LOAD, lo, hi, a.warehouses, a.skus, TOPIC)
+                await conn.execute(_LOAD, lo, hi, a.warehouses, a.skus, TOPIC, start, step)
                 await conn.execute(_OFFSETS, GROUP, TOPIC, hi)
             if hi % a.closing_every == 0 or hi == a.movements:
                 taken = await closings.take(conn, TOPIC, every_seconds=0, daily_after_days=36_500)
@@ -130,11 +150,16 @@ async def _load(bench: kit.Bench, a: argparse.Namespace) -> dict[str, Any]:
             "brin_bytes": sizes["b"], "closings": sizes["n"], "pairs": sizes["pairs"]}
 
 
-async def _cold_read(bench: kit.Bench, warehouse: str, at: datetime, sku: str | None, *,
-                     whole_history: bool = False) -> tuple[float, list[stock.Level]]:
-    """One read on a freshly started server with the page cache dropped; the connection made before the clock."""
+async def _cold_read(bench: kit.Bench, ask: tuple[str, datetime, str | None], *, whole_history: bool = False,
+                     statements: list[tuple[str, float]] | None = None) -> tuple[float, list[stock.Level]]:
+    """One read of (warehouse, T, SKU or None) on a freshly started server with the page cache dropped; the
+    connection made before the clock. `statements` gets each statement's start and its seconds (where the time
+    went)."""
+    warehouse, at, sku = ask
     _cold()
     async with bench.owner() as conn:
+        if statements is not None:
+            conn.add_query_logger(lambda q: statements.append((" ".join(q.query.split())[:100], q.elapsed)))
         began = time.perf_counter()
         if whole_history:
             async with conn.transaction(readonly=True, isolation="repeatable_read"):
@@ -155,6 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--closing-every", type=int, default=4_000_000,
                    help="movements between closings, a multiple of 1,000,000 (default %(default)s: hourly closings "
                         "at 100M movements a day)")
+    p.add_argument("--per-day", type=int, default=100_000_000,
+                   help="movements a day, which sets how fast business time advances (default %(default)s)")
+    p.add_argument("--rebuild-brin", action="store_true",
+                   help="then rebuild the BRINs and read each warehouse again (a diagnosis)")
     p.add_argument("--warehouses", type=int, default=20, help="warehouses (default %(default)s)")
     p.add_argument("--skus", type=int, default=5_000, help="SKUs per warehouse (default %(default)s)")
     p.add_argument("--queries", type=int, default=20, help="random (warehouse, T) read (default %(default)s)")

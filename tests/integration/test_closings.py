@@ -93,16 +93,18 @@ async def _stock_at(workers: WorkerPool, warehouse: str, at: datetime, sku: str 
 async def _closings(url: str) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(url)
     try:
-        return list(await conn.fetch("SELECT closing_id, taken_at, pairs FROM ledger_closings ORDER BY taken_at"))
+        return list(await conn.fetch(
+            "SELECT closing_id, taken_at, positioned_at, pairs FROM ledger_closings ORDER BY positioned_at"))
     finally:
         await conn.close()
 
 
 def _times_around(closings: list[asyncpg.Record], sent: list[dict[str, Any]]) -> list[datetime]:
-    """Just before and after each closing, between each two, far before and after them all, and at the exact
-    business time of a few movements (counted: occurred_at <= T)."""
-    taken = [r["taken_at"] for r in closings]
-    found = [t + timedelta(milliseconds=d) for t in taken for d in (-1, 1)]
+    """Just before and after each closing (where it sits in business time, and when it was taken), between each two,
+    far before and after them all, and at the exact business time of a few movements (counted: occurred_at <= T)."""
+    taken = [r["positioned_at"] for r in closings]
+    found = [t + timedelta(milliseconds=d) for r in closings for t in (r["positioned_at"], r["taken_at"])
+             for d in (-1, 1)]
     found += [a + (b - a) / 2 for a, b in itertools.pairwise(taken)]
     found += [taken[0] - timedelta(hours=3), taken[0] - timedelta(minutes=30), taken[-1] + timedelta(minutes=30),
               taken[-1] + timedelta(hours=2)]
@@ -154,6 +156,48 @@ async def test_stock_at_is_exact_from_closings_taken_while_movements_arrive(
 P = 5
 
 
+async def test_closings_taken_while_catching_up_sit_at_their_movements_time_not_the_clocks(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """A backlog: two rounds of movements whose Kafka timestamps are 6 and 5 hours old (they waited in Kafka while no
+    worker ran), each drained and closed. Each closing's `positioned_at` is the time of the movements it counts, hours
+    before it was taken, so a read of T around 6 h ago starts from the first closing; `stock show --at T` equals the
+    Σ of the sent movements that occurred at or before T around both closings, between them and at movements' times.
+    Fails on closings placed at the clock: positioned_at would be the time they were taken."""
+    rng = random.Random(41)
+    now = datetime.now(UTC)
+    rounds = (now - timedelta(hours=6), now - timedelta(hours=5))
+    sent: list[dict[str, Any]] = []
+    worker = workers.start(**CLOSINGS)
+    positions = []
+    for stamp in rounds:
+        batch = _movements(rng, 120, stamp)
+        sent += batch
+        await send_raw(services.kafka, topic, [(str(m["sku"]).encode(), json.dumps(m).encode()) for m in batch],
+                       timestamp_ms=int(stamp.timestamp() * 1000))
+        await wait_drained(services, database, topic, workers.group, 60, workers)
+        seen = len(await _closings(database.owner_url))
+        await asyncio.sleep(1.1)  # a closing taken from here on counts the whole round
+        await _wait_for_closings(database.owner_url, seen, workers)
+        newest = max(await _closings(database.owner_url), key=lambda c: c["taken_at"])
+        assert newest["positioned_at"] == stamp.replace(microsecond=stamp.microsecond // 1000 * 1000), (
+            f"a closing counting the round stamped {stamp.isoformat()} sits at {newest['positioned_at'].isoformat()} "
+            f"(taken at {newest['taken_at'].isoformat()})")
+        assert newest["taken_at"] - newest["positioned_at"] > timedelta(hours=4)
+        positions.append(newest["positioned_at"])
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+
+    times = [p + timedelta(seconds=d) for p in positions for d in (-600, -1, 0, 1, 600)]
+    times += [positions[0] + (positions[1] - positions[0]) / 2, now]
+    times += [datetime.fromisoformat(str(m["occurred_at"])) for m in sent[::29]]
+    for at in times:
+        for warehouse in WAREHOUSES:
+            assert await _stock_at(workers, warehouse, at) == _expected(sent, warehouse, at), (
+                f"{warehouse} at {at.isoformat()}")
+    workers.assert_no_tracebacks()
+
+
 async def test_rows_deleted_repaired_and_replayed_below_a_cut_keep_stock_at_exact(
     services: Services, database: Env, topic: str, workers: WorkerPool,
 ) -> None:
@@ -177,7 +221,7 @@ async def test_rows_deleted_repaired_and_replayed_below_a_cut_keep_stock_at_exac
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
     closings = await _closings(database.owner_url)
-    taken = [c["taken_at"] for c in closings]
+    taken = [c["positioned_at"] for c in closings]
     times = [a + (b - a) / 2 for a, b in itertools.pairwise(taken)]
     times += [t + timedelta(seconds=s) for t in taken[-1:] for s in (-900, -60, 60)]
 
@@ -276,7 +320,7 @@ async def test_a_stored_offset_moved_back_below_a_cut_forgets_those_closings(
     closings = await _closings(database.owner_url)
     sent = first + later
     for c in closings:
-        for at in (c["taken_at"] - timedelta(seconds=1), c["taken_at"] + timedelta(milliseconds=1)):
+        for at in (c["positioned_at"] - timedelta(seconds=1), c["positioned_at"] + timedelta(milliseconds=1)):
             assert await _stock_at(workers, "WH-1", at) == _expected(sent, "WH-1", at), at.isoformat()
 
 
@@ -311,6 +355,7 @@ async def test_closings_stay_exact_across_archived_segments(
     taken = [c["taken_at"] for c in closings]
     times = [a + (b - a) / 2 for a, b in itertools.pairwise(taken)]
     times += [taken[-1] + timedelta(seconds=s) for s in (-1_800, -300, -1, 1, 300, 1_800)]
+    times += [c["positioned_at"] + timedelta(milliseconds=d) for c in closings for d in (-1, 1)]
     times += [datetime.fromisoformat(str(m["occurred_at"])) for m in sent[::7]]
     env = {"STOCK_LEDGER_ARCHIVE_DIR": str(tmp_path), "STOCK_LEDGER_RETENTION_DAYS": "0"}
 

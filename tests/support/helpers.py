@@ -180,13 +180,15 @@ def movement(sku: str = "SKU-1", *, qty: int = 5, kind: str = "receipt", warehou
             "kind": kind, "occurred_at": "2026-11-29T10:00:00+01:00", **extra}
 
 
-async def send_raw(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None]]) -> int:
-    """Send exactly these key/value bytes (an idempotent producer, so no broker-side duplicates)."""
+async def send_raw(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None]], *,
+                   timestamp_ms: int | None = None) -> int:
+    """Send exactly these key/value bytes (an idempotent producer, so no broker-side duplicates), with the record
+    timestamp `timestamp_ms` if given (else the producer's clock)."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5)
     await producer.start()
     n = 0
     try:
-        futures = [await producer.send(topic, key=k, value=v) for k, v in records]
+        futures = [await producer.send(topic, key=k, value=v, timestamp_ms=timestamp_ms) for k, v in records]
         await producer.flush()
         for f in futures:
             await f

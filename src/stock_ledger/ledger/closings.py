@@ -4,6 +4,8 @@ A closing is `stock_levels` copied in one snapshot with the stored offsets, its 
 partition's rows, its level deltas and its next offset in one transaction, so the copy holds exactly the movements
 whose coordinates lie below the cut (archived ones included): the closing's meaning is in offsets, not in time, and
 a movement that arrives late, whatever its `occurred_at`, lands above the cut of every closing taken before it.
+Its place in business time (`positioned_at`, the Kafka timestamp of the newest movements it counts) only chooses
+which closing a read starts from.
 
 Two writers put rows *below* a cut after the fact: `repair` (a hole filled) and `rejected replay` (a quarantined
 record applied at its own coordinates). Each calls `include` in its own transaction. `take` and `include` order
@@ -58,7 +60,18 @@ _AHEAD: Final = """
 SELECT {partition}::int AS p, {offset}::bigint AS n WHERE EXISTS (
     SELECT FROM stock_movements WHERE kafka_topic = $1 AND kafka_partition = {partition} AND kafka_offset >= {offset})
 """
-_INSERT: Final = "INSERT INTO ledger_closings (kafka_topic, pairs) VALUES ($1, 0) RETURNING closing_id, taken_at"
+# Where the closing sits in business time: the median over the partitions of the Kafka timestamp of the newest
+# movement it counts (one backward probe of the coordinates' index each, literal bounds as above). The median, so
+# that a partition idle for days, or one producer's clock, does not move it.
+_NEWEST_COUNTED: Final = """
+(SELECT coalesce(kafka_timestamp, applied_at) AS t FROM stock_movements
+  WHERE kafka_topic = $1 AND kafka_partition = {partition} AND kafka_offset < {offset}
+  ORDER BY kafka_offset DESC LIMIT 1)
+"""
+_INSERT: Final = """
+INSERT INTO ledger_closings (kafka_topic, pairs, positioned_at) VALUES ($1, 0, coalesce($2, now()))
+RETURNING closing_id, taken_at, positioned_at
+"""
 _INSERT_CUTS: Final = """
 INSERT INTO closing_cuts (closing_id, kafka_partition, next_offset)
 SELECT $1, p, n FROM unnest($2::int[], $3::bigint[]) AS c(p, n)
@@ -104,6 +117,7 @@ DELETE FROM ledger_closings AS k USING closing_cuts AS c
 class Taken:
     closing_id: int | None  # None: not taken (`skipped` says why)
     taken_at: datetime | None
+    positioned_at: datetime | None
     pairs: int
     seconds: float
     thinned: int
@@ -120,10 +134,10 @@ async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, da
         if newest is not None and every_seconds > 0:
             age = float(await conn.fetchval("SELECT extract(epoch FROM now() - $1::timestamptz)", newest))
             if age < every_seconds:
-                return Taken(None, None, 0, 0.0, 0, skipped=f"{NOT_DUE} {age:.0f}s old")
+                return Taken(None, None, None, 0, 0.0, 0, skipped=f"{NOT_DUE} {age:.0f}s old")
         others = [r["topic"] for r in await conn.fetch(_OTHER_TOPICS, topic)]
         if others:
-            return Taken(None, None, 0, 0.0, 0, skipped=(
+            return Taken(None, None, None, 0, 0.0, 0, skipped=(
                 f"consumer_offsets also holds stored offsets of {', '.join(others)}: a closing copies stock_levels, "
                 f"which would count their movements too; closings need a ledger of one topic ({topic})"))
         cuts = await conn.fetch(_CUTS, topic)
@@ -132,17 +146,22 @@ async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, da
             _AHEAD.format(partition=int(p), offset=int(n)) for p, n in zip(partitions, offsets, strict=True))
             + " LIMIT 1", topic) if partitions else None
         if ahead is not None:
-            return Taken(None, None, 0, 0.0, 0, skipped=(
+            return Taken(None, None, None, 0, 0.0, 0, skipped=(
                 f"partition {ahead['p']} holds movements at or past its stored offset {ahead['n']} (it was moved "
                 "back): closings resume once the workers have passed them again"))
-        row = await conn.fetchrow(_INSERT, topic)
+        counted = [(int(p), int(n)) for p, n in zip(partitions, offsets, strict=True) if n > 0]
+        position = await conn.fetchval(
+            "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY t) FROM ("
+            + " UNION ALL ".join(_NEWEST_COUNTED.format(partition=p, offset=n) for p, n in counted)
+            + ") AS newest", topic) if counted else None
+        row = await conn.fetchrow(_INSERT, topic, position)
         closing_id: int = row["closing_id"]
         await conn.execute(_INSERT_CUTS, closing_id, partitions, offsets)
         pairs = int((await conn.execute(_COPY_LEVELS, closing_id)).split()[-1])
         seconds = time.monotonic() - started
         await conn.execute(_FINISH, closing_id, pairs, seconds)
         thinned = int((await conn.execute(_THIN, topic, daily_after_days)).split()[-1])
-    return Taken(closing_id, row["taken_at"], pairs, seconds, thinned)
+    return Taken(closing_id, row["taken_at"], row["positioned_at"], pairs, seconds, thinned)
 
 
 async def summarize(conn: asyncpg.Connection) -> int:

@@ -13,9 +13,10 @@ Two clocks, never mixed:
 
 Cost on a large ledger (docs/performance.md): the now-queries read `stock_levels` by its primary key or by the
 partial index on negative levels (milliseconds). `--at` starts from a closing balance (ledger/closings.py) and
-reads only the movements around T, found by the BRIN on (occurred_at, kafka_offset) (`python -m scripts.bench
-reads`). `movements` scans a SKU's rows: `stock_movements` has no index on (sku, warehouse), which would cost the
-ingest path +29-86 % (the budget is 10 %): 4-8 s per 20M movements.
+reads only the movements on the wrong side of its cut: those in step with their Kafka timestamp through a BRIN on
+(occurred_at, kafka_offset), the others through a B-tree on kafka_offset (`python -m scripts.bench reads`).
+`movements` scans a SKU's rows: `stock_movements` has no index on (sku, warehouse), which would cost the ingest
+path +29-86 % (the budget is 10 %): 4-8 s per 20M movements.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ SELECT warehouse_id, sku, on_hand, went_negative_at FROM stock_levels
 # exact and in one snapshot, the cheapest the closings allow. "Since when" is not known at T without replaying the
 # history: NULL. Archived segments count through archived_sums: whole where all their movements of the pair
 # occurred at or before T; those with movements on both sides of T are `STRADDLING`, and the caller sums their
-# archive files up to T. SKUs whose on-hand at T is zero are left out. {sku} narrows to one SKU ($4).
+# archive files up to T. SKUs whose on-hand at T is zero are left out. {sku} narrows to one SKU ($3, or $5 from a
+# closing).
 #
 # In step: occurred_at within 15 minutes before to 5 minutes after the record's Kafka timestamp (or the time the
 # ledger applied it), as migration 0016 defines it. Those are found by the BRIN on (occurred_at, kafka_offset), which
@@ -67,6 +69,9 @@ def _both(select: str) -> str:
     """`select` (with `{step}` where the condition goes) for the in-step movements and for the others."""
     return f"{select.replace('{step}', IN_STEP)}\n    UNION ALL\n{select.replace('{step}', f'NOT ({IN_STEP})')}"
 
+
+# The archived movements of the warehouse that occurred at or before T: the segments' sums whose movements all did.
+_ARCHIVED_UP_TO: Final = "SELECT sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}"
 
 # forward: the online movements up to T. Used when no closing was taken before T: T lies before the closings began.
 _FORWARD_AT: Final = """
@@ -88,7 +93,7 @@ SELECT $1::text AS warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamp
 """ + _both("    SELECT sku, -qty FROM stock_movements\n"
             "     WHERE warehouse_id = $1 AND occurred_at > $2 {sku} AND {step}") + """
     UNION ALL
-    SELECT sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
+    """ + _ARCHIVED_UP_TO + """
 ) AS m GROUP BY sku HAVING sum(q) <> 0 ORDER BY sku
 """
 # from a closing ($3; its topic $4): its balance counts exactly the movements below its cut, archived ones included
@@ -101,7 +106,7 @@ SELECT $1::text AS warehouse_id, sku, sum(q)::bigint AS on_hand, NULL::timestamp
     UNION ALL
     SELECT sku, -qty FROM archived_sums WHERE warehouse_id = $1 {sku}
     UNION ALL
-    SELECT sku, qty FROM archived_sums WHERE warehouse_id = $1 AND last_occurred_at <= $2 {sku}
+    """ + _ARCHIVED_UP_TO + """
     {wrong_side}
 ) AS m GROUP BY sku HAVING sum(q) <> 0 ORDER BY sku
 """
@@ -120,24 +125,24 @@ SELECT p.kafka_partition, coalesce(c.next_offset, 0) AS next_offset
   LEFT JOIN closing_cuts AS c ON c.closing_id = $1 AND c.kafka_partition = p.kafka_partition
  ORDER BY 1
 """
-# The usable closings nearest T on each side, and now: a closing whose cut lies inside an archived segment cannot be
-# read (archived_sums hold a segment's sums whole).
+# The usable closings nearest T on each side (by their place in business time), and now: a closing whose cut lies
+# inside an archived segment cannot be read (archived_sums hold a segment's sums whole).
 CLOSINGS_AROUND: Final = """
 WITH usable AS (
-    SELECT k.closing_id, k.kafka_topic, k.taken_at FROM ledger_closings AS k
+    SELECT k.closing_id, k.kafka_topic, k.positioned_at FROM ledger_closings AS k
      WHERE NOT EXISTS (SELECT FROM ledger_archives AS a
                         WHERE a.kafka_topic = k.kafka_topic
                           AND a.end_offset > coalesce((SELECT c.next_offset FROM closing_cuts AS c
                                                         WHERE c.closing_id = k.closing_id
                                                           AND c.kafka_partition = a.kafka_partition), 0))
 ), before AS (
-    SELECT * FROM usable WHERE taken_at < $1 ORDER BY taken_at DESC LIMIT 1
+    SELECT * FROM usable WHERE positioned_at < $1 ORDER BY positioned_at DESC LIMIT 1
 ), after AS (
-    SELECT * FROM usable WHERE taken_at >= $1 ORDER BY taken_at LIMIT 1
+    SELECT * FROM usable WHERE positioned_at >= $1 ORDER BY positioned_at LIMIT 1
 )
 SELECT (SELECT closing_id FROM before) AS before_id, (SELECT kafka_topic FROM before) AS before_topic,
-       (SELECT taken_at FROM before) AS before_at, (SELECT closing_id FROM after) AS after_id,
-       (SELECT kafka_topic FROM after) AS after_topic, (SELECT taken_at FROM after) AS after_at, now() AS now
+       (SELECT positioned_at FROM before) AS before_at, (SELECT closing_id FROM after) AS after_id,
+       (SELECT kafka_topic FROM after) AS after_topic, (SELECT positioned_at FROM after) AS after_at, now() AS now
 """
 
 

@@ -230,6 +230,7 @@ class PositionMonitor:
             age = await conn.fetchval(closings.AGE, self._s.topic)
         if taken.closing_id is not None:
             log.info("closing.taken", closing_id=taken.closing_id, pairs=taken.pairs,
+                     positioned_at=taken.positioned_at.isoformat() if taken.positioned_at else None,
                      seconds=round(taken.seconds, 3), thinned=taken.thinned, ranges_summarized=summarized)
         elif taken.skipped and not taken.skipped.startswith(closings.NOT_DUE):
             log.warning("closing.skipped", reason=taken.skipped)
