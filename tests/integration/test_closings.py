@@ -14,6 +14,7 @@ import itertools
 import json
 import random
 import signal
+import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import pytest
 
+from stock_ledger.ledger.stock import IN_STEP
 from tests.integration.test_operate import cli
 from tests.integration.test_repair import lose_range, send_to_partition
 from tests.support.helpers import (
@@ -376,3 +378,64 @@ async def test_closings_stay_exact_across_archived_segments(
     # The first segment reaches a whole segment past the first batch: [0, 40).
     assert [a["segment"] for a in report["archived"]] == [f"stock_movements_p{P}_o0"], report["decisions"]
     assert await answers() == before
+
+
+async def _empty_window_blocks(conn: asyncpg.Connection, segment: str) -> int:
+    """Heap blocks a read of a time window that holds no movement (before them all) reads from the segment through
+    its BRIN: 0 when every range is summarized right."""
+    await conn.execute("SET enable_seqscan = off")
+    plan = await conn.fetchval(
+        f"EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM {segment} WHERE occurred_at <= '2000-01-01' "
+        f"AND {IN_STEP}")
+
+    def blocks(node: dict[str, Any]) -> int:
+        own = int(node.get("Exact Heap Blocks", 0)) + int(node.get("Lossy Heap Blocks", 0))
+        return own + sum(blocks(child) for child in node.get("Plans", []))
+    return blocks(json.loads(plan)[0]["Plan"])
+
+
+async def test_brin_summaries_never_wait_for_a_segment_and_leave_no_range_unread(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """The monitor's summarizing pass (`stock_ledger_summarize_occurred`, run as the worker's role) must never queue
+    for a segment's lock: a session waiting there is what makes PostgreSQL cancel autovacuum's summarization, which
+    leaves a placeholder range that makes reads scan the rest of the segment. With a segment locked by another
+    session it returns at once and leaves that segment for later; once the lock is gone it summarizes it, and a read
+    of a window before every movement then reads no heap block through the BRIN (unsummarized ranges are read by
+    every query)."""
+    await send_raw(services.kafka, topic, [(f"SKU-{i % 40}".encode(), json.dumps(movement(
+        f"SKU-{i % 40}", qty=1 + i % 5)).encode()) for i in range(6_000)])
+    worker = workers.start()
+    await wait_drained(services, database, topic, workers.group, 90, workers)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    owner = await asyncpg.connect(database.owner_url)
+    app = await asyncpg.connect(database.worker_url)
+    try:
+        segment = await owner.fetchval(
+            "SELECT table_name FROM ledger_segments ORDER BY pg_relation_size(table_name::regclass) DESC, 1 LIMIT 1")
+        await owner.execute("DELETE FROM brin_summaries")
+        for index in [r[0] for r in await owner.fetch(
+                "SELECT i.inhrelid::regclass::text FROM pg_inherits AS i JOIN pg_index AS x "
+                "ON x.indexrelid = i.inhrelid WHERE i.inhparent = 'stock_movements_occurred_brin'::regclass "
+                "AND x.indrelid = $1::regclass", segment)]:
+            await owner.execute(f"SELECT brin_desummarize_range('{index}', b) FROM generate_series(0, "
+                                f"pg_relation_size('{segment}') / 8192) AS b")
+        assert await _empty_window_blocks(owner, segment) > 0, "the desummarized segment should be read whole"
+
+        holder = await asyncpg.connect(database.owner_url)
+        try:
+            await holder.execute(f"BEGIN; LOCK TABLE {segment} IN SHARE UPDATE EXCLUSIVE MODE")
+            await app.execute("SET statement_timeout = '5s'")
+            began = time.monotonic()
+            await app.fetchval("SELECT stock_ledger_summarize_occurred()")
+            assert time.monotonic() - began < 4, "the pass waited for the locked segment"
+            assert await _empty_window_blocks(owner, segment) > 0, "the locked segment was summarized"
+        finally:
+            await holder.close()
+        assert await app.fetchval("SELECT stock_ledger_summarize_occurred()") > 0
+        assert await _empty_window_blocks(owner, segment) == 0
+    finally:
+        await app.close()
+        await owner.close()
+    workers.assert_no_tracebacks()

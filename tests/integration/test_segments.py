@@ -179,6 +179,13 @@ async def test_an_existing_ledger_moves_to_segments_while_the_previous_release_w
             assert await owner.fetchval("SELECT count(*) FROM movement_ids") == total
             assert await owner.fetchval("SELECT count(*) FROM movement_ids AS i JOIN stock_movements USING "
                                         "(movement_id)") == total
+            # Each segment's BRIN built by 0016 is marked as summarized by its build, so that the monitor's pass
+            # does not read the whole ledger again after an upgrade.
+            unmarked = await owner.fetch(
+                "SELECT i.inhrelid::regclass::text FROM pg_inherits AS i JOIN pg_index AS x ON x.indexrelid = "
+                "i.inhrelid WHERE i.inhparent = 'stock_movements_occurred_brin'::regclass AND pg_relation_size("
+                "x.indrelid) > 0 AND i.inhrelid::regclass::text NOT IN (SELECT segment_index FROM brin_summaries)")
+            assert not unmarked, unmarked
             kept = await owner.fetchval("SELECT count(*) FROM stock_movements_before_0014")
             assert 120_000 <= kept <= total - after_swap
             assert not await owner.fetchval("SELECT has_table_privilege('stock_ledger_app', "

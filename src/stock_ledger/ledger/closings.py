@@ -165,8 +165,10 @@ async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, da
 
 
 async def summarize(conn: asyncpg.Connection) -> int:
-    """Summarize the block ranges of the BRIN on (occurred_at, kafka_offset) that autosummarize left (its requests
-    are dropped when autovacuum is behind): an unsummarized range is read by every `--at`. Returns how many."""
+    """Summarize again the block ranges of the BRIN on (occurred_at, kafka_offset) added since the last call, whoever
+    summarized them meanwhile: an unsummarized range (autosummarize's requests are dropped when autovacuum is behind)
+    is read by every `--at`, and a placeholder left by a cancelled summarization makes every later range of its
+    segment read (migration 0016). Never waits for a segment's lock. Returns how many."""
     return int(await conn.fetchval("SELECT stock_ledger_summarize_occurred()"))
 
 
