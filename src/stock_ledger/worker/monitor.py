@@ -226,7 +226,9 @@ class PositionMonitor:
         async with (await self._db()).acquire() as conn:
             taken = await closings.take(conn, self._s.topic, every_seconds=self._s.closing_seconds,
                                         daily_after_days=self._s.closing_daily_after_days)
-            summarized = await closings.summarize(conn) if taken.closing_id is not None else 0
+            # Every tick, not only after a closing: at most 2,048 ranges a call (2 GiB of segment read again), so a
+            # tick every 5 minutes keeps up with about 3 billion movements a day.
+            summarized = await closings.summarize(conn)
             age = await conn.fetchval(closings.AGE, self._s.topic)
         if taken.closing_id is not None:
             log.info("closing.taken", closing_id=taken.closing_id, pairs=taken.pairs,
