@@ -111,7 +111,7 @@ CREATE TABLE IF NOT EXISTS brin_summaries (
     verified_blocks bigint NOT NULL CHECK (verified_blocks >= 0)
 );
 
--- The monitor calls this after each closing: the ranges above each mark (what autosummarize and autovacuum
+-- The monitor's leader calls this on each closings tick (at most every 5 minutes): the ranges above each mark (what autosummarize and autovacuum
 -- summarized since, or left unsummarized when autovacuum's queue was full, or left as a placeholder) are
 -- desummarized and summarized again, at most `budget` ranges per call, the segments with the least to do first.
 -- It never waits for a segment's lock (NOWAIT: a session waiting on autovacuum is what cancels it); a segment

@@ -494,7 +494,8 @@ VARIABLES: Final[tuple[Variable, ...]] = (
     Variable("STOCK_LEDGER_CLOSING_SECONDS", "closing_seconds", _floats(0, 2_592_000),
              "how often the monitor's leader takes a closing balance (`stock_levels` copied with the stored "
              "offsets), from which `stock show --at` reads: it then sums only the movements around T, about this "
-             "long's worth. Each costs one row per nonzero (warehouse, SKU) level. 0: none (`--at` sums the history)"),
+             "long's worth. Each costs one row per nonzero (warehouse, SKU) level. At 100M movements a day, 900 read "
+             "in p95 0.91 s cold, 3600 in 3.0 s (docs/performance.md). 0: none (`--at` sums the history)"),
     Variable("STOCK_LEDGER_CLOSING_DAILY_AFTER_DAYS", "closing_daily_after_days", _ints(1, 36_500),
              "closings older than this many days are thinned to the first of each UTC day (an `--at` that old then "
              "sums up to a day's movements)"),
