@@ -2,7 +2,7 @@
 -- Fast "as of" reads (issue 39): closing balances, and the indexes that find a time window's movements.
 --
 -- A closing is stock_levels copied in one snapshot together with the stored offsets (its cut): it counts exactly
--- the movements whose coordinates lie below the cut. `stock show --at T` reads the closing positioned nearest T
+-- the movements whose coordinates lie below the cut. `stock show --at T` reads the closing taken nearest after T
 -- and the few movements on the wrong side of it (docs/design.md, "Closings"). Taken by the monitor's leader every
 -- STOCK_LEDGER_CLOSING_SECONDS; nothing in the batch writes them, so the ingest path pays only the two indexes.
 --
@@ -13,21 +13,16 @@
 --   finish    checks that every segment has both (the table's are then valid, and segments made later get them)
 
 -- step: prepare
--- One row per closing. `taken_at`: when it was taken (the clock of the database, for its age and its thinning).
--- `positioned_at`: where it sits in business time, which the reader compares with T to pick the closing with the
--- fewest movements on the wrong side: the median, over the Kafka partitions, of the Kafka timestamp of the newest
--- movement it counts (`taken_at` if it counts none). Not `taken_at`: a closing taken while the workers catch up on a
--- backlog counts movements hours older than the clock.
+-- One row per closing. `taken_at`: the transaction time of the snapshot (application time), which the reader
+-- compares with business time only to pick the closing whose window of stragglers is smallest.
 CREATE TABLE IF NOT EXISTS ledger_closings (
-    closing_id    bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    kafka_topic   text        NOT NULL,
-    taken_at      timestamptz NOT NULL DEFAULT now(),
-    positioned_at timestamptz NOT NULL,
-    pairs         bigint      NOT NULL CHECK (pairs >= 0),
-    seconds       real        NOT NULL DEFAULT 0
+    closing_id  bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    kafka_topic text        NOT NULL,
+    taken_at    timestamptz NOT NULL DEFAULT now(),
+    pairs       bigint      NOT NULL CHECK (pairs >= 0),
+    seconds     real        NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS ledger_closings_taken_at_idx ON ledger_closings (kafka_topic, taken_at);
-CREATE INDEX IF NOT EXISTS ledger_closings_positioned_at_idx ON ledger_closings (kafka_topic, positioned_at);
 
 -- The cut: per Kafka partition, the first offset the closing does not count (the stored offset when it was taken).
 -- A partition without a row here is counted from nowhere: cut 0.
@@ -97,73 +92,24 @@ CREATE INDEX IF NOT EXISTS stock_movements_out_of_step_idx ON ONLY stock_movemen
     WHERE NOT ((occurred_at - coalesce(kafka_timestamp, applied_at))
                BETWEEN interval '-15 minutes' AND interval '5 minutes');
 
--- Summaries the monitor keeps right: per segment's BRIN, the blocks below which this function summarized every range
--- itself. Above it a range may hold a *placeholder*, which a summarization leaves when it is interrupted (autovacuum's
--- is cancelled whenever another session asks for a conflicting lock on the segment: an ANALYZE, an index build); it
--- is never summarized again, and PostgreSQL's scan, once it has read one, takes every later range of the index as
--- matching (bringetbitmap reuses its deformed tuple and bt_placeholder is never reset: 15 and later alike). At 100M
--- movements one such range made reads scan whole segments (docs/performance.md, "Reads as of a time").
--- `filenode`: the index's file when the mark was set; a TRUNCATE or a REINDEX gives it a new one, and the mark starts
--- again from 0.
-CREATE TABLE IF NOT EXISTS brin_summaries (
-    segment_index   text   PRIMARY KEY,
-    filenode        oid    NOT NULL,
-    verified_blocks bigint NOT NULL CHECK (verified_blocks >= 0)
-);
-
--- The monitor's leader calls this on each closings tick (at most every 5 minutes): the ranges above each mark (what autosummarize and autovacuum
--- summarized since, or left unsummarized when autovacuum's queue was full, or left as a placeholder) are
--- desummarized and summarized again, at most `budget` ranges per call, the segments with the least to do first.
--- It never waits for a segment's lock (NOWAIT: a session waiting on autovacuum is what cancels it); a segment
--- autovacuum is working on is done on the next call. SECURITY DEFINER: summarizing takes the index owner's rights;
--- SHARE UPDATE EXCLUSIVE on a segment, which no batch waits for. Returns the ranges summarized.
-CREATE OR REPLACE FUNCTION stock_ledger_summarize_occurred(budget bigint DEFAULT 2048) RETURNS bigint
+-- What autosummarize left (its requests are dropped when autovacuum's queue is full, at a high ingest rate): the
+-- monitor calls this after each closing. SECURITY DEFINER: summarizing takes the index owner's rights; it takes
+-- SHARE UPDATE EXCLUSIVE on each segment, which no batch waits for.
+CREATE OR REPLACE FUNCTION stock_ledger_summarize_occurred() RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $f$
 DECLARE
-    per_range constant bigint := 128;  -- the indexes' pages_per_range (the default, not set above)
     summarized bigint := 0;
-    segment record;
-    blk bigint;
+    segment_index regclass;
 BEGIN
-    DELETE FROM public.brin_summaries AS b WHERE to_regclass(b.segment_index) IS NULL;
-    FOR segment IN
-        SELECT s.*, s.blocks - s.verified AS todo FROM (
-            SELECT i.inhrelid::regclass AS brin, x.indrelid::regclass AS heap,
-                   pg_relation_filenode(i.inhrelid) AS filenode,
-                   CASE WHEN b.filenode = pg_relation_filenode(i.inhrelid) THEN b.verified_blocks ELSE 0 END
-                       AS verified,
-                   pg_relation_size(x.indrelid) / current_setting('block_size')::bigint AS blocks
-              FROM pg_inherits AS i
-              JOIN pg_index AS x ON x.indexrelid = i.inhrelid
-              LEFT JOIN public.brin_summaries AS b ON b.segment_index = i.inhrelid::regclass::text
-             WHERE i.inhparent = 'public.stock_movements_occurred_brin'::regclass) AS s
-         ORDER BY todo, brin::text
-    LOOP
-        CONTINUE WHEN segment.verified >= segment.blocks OR budget <= 0;
-        BEGIN
-            EXECUTE format('LOCK TABLE ONLY %s IN SHARE UPDATE EXCLUSIVE MODE NOWAIT', segment.heap);
-        EXCEPTION WHEN lock_not_available THEN
-            CONTINUE;
-        END;
-        blk := segment.verified / per_range * per_range;
-        WHILE blk < segment.blocks AND budget > 0 LOOP
-            PERFORM brin_desummarize_range(segment.brin, blk);
-            summarized := summarized + brin_summarize_range(segment.brin, blk);
-            blk := blk + per_range;
-            budget := budget - 1;
-        END LOOP;
-        -- The last range may still be filling: summarized now, inserts keep it right, and nothing summarizes a range
-        -- that has a summary, so it cannot become a placeholder.
-        INSERT INTO public.brin_summaries AS b (segment_index, filenode, verified_blocks)
-        VALUES (segment.brin::text, segment.filenode, blk)
-        ON CONFLICT (segment_index) DO UPDATE SET filenode = excluded.filenode, verified_blocks = excluded.verified_blocks;
+    FOR segment_index IN SELECT i.inhrelid::regclass FROM pg_inherits AS i
+                          WHERE i.inhparent = 'public.stock_movements_occurred_brin'::regclass LOOP
+        summarized := summarized + brin_summarize_new_values(segment_index);
     END LOOP;
     RETURN summarized;
 END
 $f$;
-REVOKE ALL ON FUNCTION stock_ledger_summarize_occurred(bigint) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION stock_ledger_summarize_occurred(bigint) TO stock_ledger_app;
-GRANT SELECT ON brin_summaries TO stock_ledger_reader;
+REVOKE ALL ON FUNCTION stock_ledger_summarize_occurred() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION stock_ledger_summarize_occurred() TO stock_ledger_app;
 
 -- Each segment without an index gets it and is attached; segments made meanwhile are found on the next pass.
 -- (No SET clause: a procedure with one cannot COMMIT. migrate's session pins the search_path, pg_catalog first.)
@@ -192,13 +138,6 @@ BEGIN
             child := segment || '_occurred_brin';
             EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON public.%I USING brin (occurred_at, kafka_offset) '
                            'WITH (autosummarize = on) WHERE %s', child, segment, in_step);
-            -- A build summarizes every range there is, none a placeholder (it holds a SHARE lock: nothing is
-            -- inserted meanwhile): the monitor's pass starts after them instead of reading the segment again.
-            INSERT INTO public.brin_summaries (segment_index, filenode, verified_blocks)
-            SELECT child, pg_relation_filenode(format('public.%I', child)::regclass),
-                   (pg_relation_size(format('public.%I', segment)::regclass)
-                    / current_setting('block_size')::bigint + 127) / 128 * 128
-            ON CONFLICT (segment_index) DO NOTHING;
         ELSE
             child := segment || '_out_of_step_idx';
             EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON public.%I USING btree (kafka_offset) '

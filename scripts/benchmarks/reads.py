@@ -139,7 +139,7 @@ async def _load(bench: kit.Bench, a: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(f"no closing taken: {taken.skipped}")
                 summarized = await closings.summarize(conn)
                 kit.say(f"  {hi:,} movements ({time.perf_counter() - started:.0f}s): closing {taken.closing_id} of "
-                        f"{taken.pairs:,} pairs in {taken.seconds:.1f}s, {summarized} ranges summarized")
+                        f"{taken.pairs:,} pairs in {taken.seconds:.1f}s, {summarized.ranges} ranges summarized")
         await conn.execute("ALTER TABLE stock_movements ENABLE TRIGGER register_movement_ids")
         # What a ledger's autovacuum would have done by now (statistics, the visibility map for index-only reads).
         await conn.execute("VACUUM (ANALYZE)")
@@ -155,12 +155,7 @@ async def _load(bench: kit.Bench, a: argparse.Namespace) -> dict[str, Any]:
 
 
 # Segments whose BRIN has ranges the monitor's pass has not summarized itself (it skips a segment autovacuum holds).
-_UNSETTLED: Final = """
-SELECT count(*) FROM pg_inherits AS i JOIN pg_index AS x ON x.indexrelid = i.inhrelid
-  LEFT JOIN brin_summaries AS b ON b.segment_index = i.inhrelid::regclass::text
- WHERE i.inhparent = 'stock_movements_occurred_brin'::regclass
-   AND coalesce(b.verified_blocks, 0) < pg_relation_size(x.indrelid) / current_setting('block_size')::bigint
-"""
+_UNSETTLED: Final = "SELECT count(*) FROM brin_backlog WHERE blocks_behind > 0"
 
 
 async def _settle(conn: asyncpg.Connection) -> None:
@@ -169,7 +164,7 @@ async def _settle(conn: asyncpg.Connection) -> None:
     for _ in range(120):
         summarized = await closings.summarize(conn)
         left = int(await conn.fetchval(_UNSETTLED))
-        kit.say(f"  summarizing pass: {summarized} ranges, {left} segments left")
+        kit.say(f"  summarizing pass: {summarized.ranges} ranges, {summarized.behind} left in {left} indexes")
         if left == 0:
             return
         await asyncio.sleep(5)

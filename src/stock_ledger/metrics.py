@@ -233,6 +233,9 @@ class Metrics:
     closing_age_seconds = _gauge("closing_age_seconds",
                                  "Age of the newest closing balance (`stock show --at` reads from it; taken every "
                                  "STOCK_LEDGER_CLOSING_SECONDS).", leader=True)
+    brin_ranges_behind = _gauge("brin_ranges_behind",
+                                "BRIN block ranges the monitor's summarizing pass has still to check (2,048 a closings "
+                                "tick); each may be read by every query through its index until then.", leader=True)
     build_info = _gauge("build_info", "Versions of stock-ledger and its drivers.",
                         ["version", "python", "aiokafka", "asyncpg"])
 
@@ -267,7 +270,8 @@ class Metrics:
                       self.lag_seconds, self.gap):
             gauge.clear()
         for value in (self.partitions_ahead, self.level_mismatches, self.missing_records,
-                      self.negative_stock_levels, self.negative_stock_units, self.closing_age_seconds):
+                      self.negative_stock_levels, self.negative_stock_units, self.closing_age_seconds,
+                      self.brin_ranges_behind):
             value.set(0)
         self.coordinates_unique.set(1)  # until a check says otherwise: absent is not broken
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 # Raise this when a migration is added: the worker refuses to run against an older schema.
-SCHEMA_VERSION: Final = 16
+SCHEMA_VERSION: Final = 17
 # pg_advisory_lock key: "stock-ledger migrate" as a stable 63-bit number.
 _LOCK_KEY: Final = int.from_bytes(hashlib.sha256(b"stock-ledger migrate").digest()[:8], "big") >> 1
 _FILE: Final = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")

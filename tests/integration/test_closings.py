@@ -380,31 +380,44 @@ async def test_closings_stay_exact_across_archived_segments(
     assert await answers() == before
 
 
-async def _empty_window_blocks(conn: asyncpg.Connection, segment: str) -> int:
-    """Heap blocks a read of a time window that holds no movement (before them all) reads from the segment through
-    its BRIN: 0 when every range is summarized right."""
-    await conn.execute("SET enable_seqscan = off")
-    plan = await conn.fetchval(
-        f"EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM {segment} WHERE occurred_at <= '2000-01-01' "
-        f"AND {IN_STEP}")
+async def _empty_window_blocks(conn: asyncpg.Connection, table: str, window: str) -> int:
+    """Heap blocks a read of a time window that holds no row (before them all) reads from `table` through its BRIN:
+    0 when every range is summarized right. rejected_movements' B-tree on (reason_code, rejected_at) would answer the
+    window without its BRIN: it is dropped for the read, and the drop rolled back."""
+    read = conn.transaction()
+    await read.start()
+    try:
+        await conn.execute("SET LOCAL enable_seqscan = off")
+        if table == "rejected_movements":
+            await conn.execute("DROP INDEX rejected_movements_reason_code_idx")
+        plan = json.loads(await conn.fetchval(
+            f"EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM {table} WHERE {window}"))[0]["Plan"]
+    finally:
+        await read.rollback()
 
-    def blocks(node: dict[str, Any]) -> int:
-        own = int(node.get("Exact Heap Blocks", 0)) + int(node.get("Lossy Heap Blocks", 0))
-        return own + sum(blocks(child) for child in node.get("Plans", []))
-    return blocks(json.loads(plan)[0]["Plan"])
+    def walk(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return [node, *(n for child in node.get("Plans", []) for n in walk(child))]
+    nodes = walk(plan)
+    used = [n["Index Name"] for n in nodes if "Index Name" in n]
+    assert used and await conn.fetchval("SELECT bool_and(a.amname = 'brin') FROM pg_class AS c JOIN pg_am AS a ON "
+                                        "a.oid = c.relam WHERE c.relname = ANY($1)", used), f"not a BRIN read: {plan}"
+    return sum(int(n.get("Exact Heap Blocks", 0)) + int(n.get("Lossy Heap Blocks", 0)) for n in nodes)
 
 
-async def test_brin_summaries_never_wait_for_a_segment_and_leave_no_range_unread(
+async def test_brin_summaries_never_wait_for_a_table_and_leave_no_range_unread(
     services: Services, database: Env, topic: str, workers: WorkerPool,
 ) -> None:
-    """The monitor's summarizing pass (`stock_ledger_summarize_occurred`, run as the worker's role) must never queue
-    for a segment's lock: a session waiting there is what makes PostgreSQL cancel autovacuum's summarization, which
-    leaves a placeholder range that makes reads scan the rest of the segment. With a segment locked by another
-    session it returns at once and leaves that segment for later; once the lock is gone it summarizes it, and a read
-    of a window before every movement then reads no heap block through the BRIN (unsummarized ranges are read by
-    every query)."""
-    await send_raw(services.kafka, topic, [(f"SKU-{i % 40}".encode(), json.dumps(movement(
-        f"SKU-{i % 40}", qty=1 + i % 5)).encode()) for i in range(6_000)])
+    """The monitor's summarizing pass (`stock_ledger_summarize_brins`, run as the worker's role) covers every BRIN of
+    the ledger (a segment's on (occurred_at, kafka_offset) that `stock show --at` reads, its applied_at one that
+    `verify --since` and the invariants read, rejected_movements' rejected_at one) and must never queue for a table's
+    lock: a session waiting there is what makes PostgreSQL cancel autovacuum's summarization, which leaves a
+    placeholder range that makes reads scan the rest of the table. With a segment locked by another session the pass
+    returns at once and leaves that segment for later; the running monitor then summarizes it, its gauge
+    stock_ledger_brin_ranges_behind falls to 0, and a read of a window before every row reads no heap block through
+    any of the BRINs (unsummarized ranges are read by every query)."""
+    good = [(f"SKU-{i % 40}".encode(), json.dumps(movement(f"SKU-{i % 40}", qty=1 + i % 5)).encode())
+            for i in range(6_000)]
+    await send_raw(services.kafka, topic, good + [(b"SKU-bad", b"not json %d" % i) for i in range(200)])
     worker = workers.start()
     await wait_drained(services, database, topic, workers.group, 90, workers)
     worker.signal(signal.SIGTERM)
@@ -414,27 +427,41 @@ async def test_brin_summaries_never_wait_for_a_segment_and_leave_no_range_unread
     try:
         segment = await owner.fetchval(
             "SELECT table_name FROM ledger_segments ORDER BY pg_relation_size(table_name::regclass) DESC, 1 LIMIT 1")
+        windows = [(segment, f"occurred_at <= '2000-01-01' AND {IN_STEP}"), (segment, "applied_at <= '2000-01-01'"),
+                   ("rejected_movements", "rejected_at <= '2000-01-01'")]
         await owner.execute("DELETE FROM brin_summaries")
-        for index in [r[0] for r in await owner.fetch(
-                "SELECT i.inhrelid::regclass::text FROM pg_inherits AS i JOIN pg_index AS x "
-                "ON x.indexrelid = i.inhrelid WHERE i.inhparent = 'stock_movements_occurred_brin'::regclass "
-                "AND x.indrelid = $1::regclass", segment)]:
+        indexes = await owner.fetch("SELECT brin::text, heap::text FROM brin_backlog WHERE heap = ANY($1::regclass[])",
+                                    [segment, "rejected_movements"])
+        assert sorted(heap for _, heap in indexes) == sorted([segment, segment, "rejected_movements"]), indexes
+        for index, heap in indexes:
             await owner.execute(f"SELECT brin_desummarize_range('{index}', b) FROM generate_series(0, "
-                                f"pg_relation_size('{segment}') / 8192) AS b")
-        assert await _empty_window_blocks(owner, segment) > 0, "the desummarized segment should be read whole"
+                                f"pg_relation_size('{heap}') / 8192) AS b")
+        for table, window in windows:
+            assert await _empty_window_blocks(owner, table, window) > 0, f"desummarized, {table} should be read whole"
 
         holder = await asyncpg.connect(database.owner_url)
         try:
             await holder.execute(f"BEGIN; LOCK TABLE {segment} IN SHARE UPDATE EXCLUSIVE MODE")
             await app.execute("SET statement_timeout = '5s'")
             began = time.monotonic()
-            await app.fetchval("SELECT stock_ledger_summarize_occurred()")
+            assert await app.fetchval("SELECT stock_ledger_summarize_brins()") > 0
             assert time.monotonic() - began < 4, "the pass waited for the locked segment"
-            assert await _empty_window_blocks(owner, segment) > 0, "the locked segment was summarized"
+            for table, window in windows[:2]:
+                assert await _empty_window_blocks(owner, table, window) > 0, "the locked segment was summarized"
+            assert await _empty_window_blocks(owner, *windows[2]) == 0, "the unlocked table was left"
+            # The previous release's monitors call the pass by its old name while the pods roll.
+            assert await app.fetchval("SELECT stock_ledger_summarize_occurred()") == 0
+            monitor = workers.start(**CLOSINGS)
+
+            def behind() -> float | None:
+                return monitor.metric("stock_ledger_brin_ranges_behind")
+            await eventually(lambda: (behind() or 0) > 0, 60, "the gauge showing the locked segment's ranges", workers)
         finally:
             await holder.close()
-        assert await app.fetchval("SELECT stock_ledger_summarize_occurred()") > 0
-        assert await _empty_window_blocks(owner, segment) == 0
+        await eventually(lambda: behind() == 0, 60, "the monitor's pass catching up", workers)
+        for table, window in windows:
+            assert await _empty_window_blocks(owner, table, window) == 0, f"{table}: {window}"
+        assert not await owner.fetchval("SELECT sum(blocks_behind) FROM brin_backlog")
     finally:
         await app.close()
         await owner.close()

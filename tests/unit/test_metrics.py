@@ -40,6 +40,7 @@ CONTRACT = {
     "stock_ledger_negative_stock_units": ("gauge", set()),
     "stock_ledger_segment_headroom": ("gauge", PART),
     "stock_ledger_closing_age_seconds": ("gauge", set()),
+    "stock_ledger_brin_ranges_behind": ("gauge", set()),
     "stock_ledger_build_info": ("gauge", {"version", "python", "aiokafka", "asyncpg"}),
     "stock_ledger_movements_applied_total": ("counter", set()),
     "stock_ledger_movements_rejected_total": ("counter", {"reason"}),

@@ -1,4 +1,4 @@
-"""Closing balances: what `stock show --at` starts from instead of summing the whole history (migration 0016).
+"""Closing balances: what `stock show --at` starts from instead of summing the whole history (migrations 0016 and 0017).
 
 A closing is `stock_levels` copied in one snapshot with the stored offsets, its *cut*. The batch writes a
 partition's rows, its level deltas and its next offset in one transaction, so the copy holds exactly the movements
@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 # and with ROW EXCLUSIVE; two includes (ROW EXCLUSIVE) do not wait for each other. Batches never take it.
 _TAKE_LOCK: Final = "LOCK TABLE ledger_closings IN SHARE ROW EXCLUSIVE MODE"
 _INCLUDE_LOCK: Final = "LOCK TABLE ledger_closings IN ROW EXCLUSIVE MODE"
+
+# What the summarizing pass has still to do, in ranges (an upgrade from 0016 starts with every range of the ledger).
+_RANGES_BEHIND: Final = """
+SELECT coalesce(sum((blocks_behind + pages_per_range - 1) / pages_per_range), 0) FROM brin_backlog
+"""
 
 _NEWEST: Final = "SELECT max(taken_at) FROM ledger_closings WHERE kafka_topic = $1"
 # The monitor's gauge (NULL: none yet).
@@ -124,6 +129,12 @@ class Taken:
     skipped: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Summarized:
+    ranges: int  # summarized by this call
+    behind: int  # left for the next calls
+
+
 async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, daily_after_days: int) -> Taken:
     """A closing of `topic`'s ledger now, unless the newest is younger than `every_seconds`; then thins the old."""
     started = time.monotonic()
@@ -164,12 +175,13 @@ async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, da
     return Taken(closing_id, row["taken_at"], row["positioned_at"], pairs, seconds, thinned)
 
 
-async def summarize(conn: asyncpg.Connection) -> int:
-    """Summarize again the block ranges of the BRIN on (occurred_at, kafka_offset) added since the last call, whoever
-    summarized them meanwhile: an unsummarized range (autosummarize's requests are dropped when autovacuum is behind)
-    is read by every `--at`, and a placeholder left by a cancelled summarization makes every later range of its
-    segment read (migration 0016). Never waits for a segment's lock. Returns how many."""
-    return int(await conn.fetchval("SELECT stock_ledger_summarize_occurred()"))
+async def summarize(conn: asyncpg.Connection) -> Summarized:
+    """Summarize again the BRIN block ranges of the ledger's tables added since the last call, whoever summarized them
+    meanwhile: an unsummarized range (autosummarize's requests are dropped when autovacuum is behind) is read by every
+    query through the index, and a placeholder left by a cancelled summarization makes every later range of its index
+    read (migration 0017). Never waits for a table's lock; at most 2,048 ranges a call."""
+    ranges = int(await conn.fetchval("SELECT stock_ledger_summarize_brins()"))
+    return Summarized(ranges, int(await conn.fetchval(_RANGES_BEHIND)))
 
 
 async def include(conn: asyncpg.Connection, movements: Sequence[Row]) -> None:

@@ -233,7 +233,11 @@ class PositionMonitor:
         if taken.closing_id is not None:
             log.info("closing.taken", closing_id=taken.closing_id, pairs=taken.pairs,
                      positioned_at=taken.positioned_at.isoformat() if taken.positioned_at else None,
-                     seconds=round(taken.seconds, 3), thinned=taken.thinned, ranges_summarized=summarized)
+                     seconds=round(taken.seconds, 3), thinned=taken.thinned, ranges_summarized=summarized.ranges,
+                     ranges_behind=summarized.behind)
+        if summarized.ranges and summarized.behind:
+            # Catching up (after an upgrade from 0016, or behind a fast ingest): its progress, a line a tick.
+            log.info("brin.summarizing", ranges_summarized=summarized.ranges, ranges_behind=summarized.behind)
         elif taken.skipped and not taken.skipped.startswith(closings.NOT_DUE):
             log.warning("closing.skipped", reason=taken.skipped)
 
@@ -242,6 +246,7 @@ class PositionMonitor:
 
         def export() -> None:
             self._m.closing_age_seconds.set(age_seconds)
+            self._m.brin_ranges_behind.set(summarized.behind)
         return export
 
     async def _invariants(self) -> Export:
