@@ -23,8 +23,10 @@ import asyncpg
 import pytest
 
 from stock_ledger.ledger.stock import IN_STEP
+from stock_ledger.migrate import find_migrations_dir, migrate
 from tests.integration.test_operate import cli
 from tests.integration.test_repair import lose_range, send_to_partition
+from tests.integration.test_segments import previous_release_ledger
 from tests.support.helpers import (
     Env,
     Services,
@@ -33,9 +35,11 @@ from tests.support.helpers import (
     delete_records_below,
     eventually,
     movement,
+    scratch_database,
     send_raw,
     wait_drained,
 )
+from tests.support.services import WORKER_PASSWORD
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -399,8 +403,9 @@ async def _empty_window_blocks(conn: asyncpg.Connection, table: str, window: str
         return [node, *(n for child in node.get("Plans", []) for n in walk(child))]
     nodes = walk(plan)
     used = [n["Index Name"] for n in nodes if "Index Name" in n]
-    assert used and await conn.fetchval("SELECT bool_and(a.amname = 'brin') FROM pg_class AS c JOIN pg_am AS a ON "
-                                        "a.oid = c.relam WHERE c.relname = ANY($1)", used), f"not a BRIN read: {plan}"
+    assert used, f"not an index read: {plan}"
+    assert await conn.fetchval("SELECT bool_and(a.amname = 'brin') FROM pg_class AS c JOIN pg_am AS a ON "
+                               "a.oid = c.relam WHERE c.relname = ANY($1)", used), f"not a BRIN read: {plan}"
     return sum(int(n.get("Exact Heap Blocks", 0)) + int(n.get("Lossy Heap Blocks", 0)) for n in nodes)
 
 
@@ -466,3 +471,33 @@ async def test_brin_summaries_never_wait_for_a_table_and_leave_no_range_unread(
         await app.close()
         await owner.close()
     workers.assert_no_tracebacks()
+
+
+async def test_a_ledger_at_0016_keeps_its_closings_where_the_previous_release_placed_them(
+    services: Services, worker_role: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Migration 0017 on a ledger the previous release (0016) left with closings: each is placed in business time at
+    its taken_at, where that release's reader looked for it; while the pods roll, a closing the previous release's
+    monitor takes (it does not name positioned_at) is placed at its taken_at too, and its summarizing call, by the
+    old name and as the workers' role, still runs the pass."""
+    async with scratch_database(services) as name:
+        owner_url = await previous_release_ledger(services, name, tmp_path, monkeypatch, version=16)
+        owner = await asyncpg.connect(owner_url)
+        try:
+            for day in ("2026-01-01", "2026-01-02"):
+                await owner.execute("INSERT INTO ledger_closings (kafka_topic, taken_at, pairs) VALUES ('t', $1, 0)",
+                                    datetime.fromisoformat(f"{day}T10:00:00+00:00"))
+            assert await migrate(owner_url, find_migrations_dir(None)) == ["0017_closing_place.sql"]
+            placed = await owner.fetch("SELECT taken_at, positioned_at FROM ledger_closings ORDER BY closing_id")
+            assert [r[0] for r in placed] == [r[1] for r in placed]
+            app = await asyncpg.connect(services.url_for(name, user=worker_role, password=WORKER_PASSWORD))
+            try:
+                async with app.transaction():
+                    row = await app.fetchrow("INSERT INTO ledger_closings (kafka_topic, pairs) VALUES ('t', 0) "
+                                             "RETURNING taken_at, positioned_at")
+                assert row[0] == row[1]
+                assert await app.fetchval("SELECT stock_ledger_summarize_occurred()") >= 0
+            finally:
+                await app.close()
+        finally:
+            await owner.close()

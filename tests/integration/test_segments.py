@@ -109,17 +109,17 @@ async def test_a_resend_is_quarantined_whichever_segment_holds_the_original(
     assert segments[0] >= 4
 
 
-async def _previous_release_ledger(services: Services, name: str, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> str:
-    """A database migrated as the previous release left it (migrations 0001-0013); its owner URL."""
-    old = tmp_path / "migrations-0013"
+async def previous_release_ledger(services: Services, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  version: int = 13) -> str:
+    """A database migrated as a previous release left it (migrations 0001 to `version`); its owner URL."""
+    old = tmp_path / f"migrations-{version:04d}"
     old.mkdir()
     for path in sorted(find_migrations_dir(None).glob("00*.sql")):
-        if int(path.name[:4]) <= 13:
+        if int(path.name[:4]) <= version:
             shutil.copy(path, old / path.name)
     url = services.url_for(name)
     with monkeypatch.context() as m:
-        m.setattr(migrations, "SCHEMA_VERSION", 13)
+        m.setattr(migrations, "SCHEMA_VERSION", version)
         await migrate(url, old)
     return url
 
@@ -133,7 +133,7 @@ async def test_an_existing_ledger_moves_to_segments_while_the_previous_release_w
     the registry holds each id once, the writer never failed and wrote on after the swap, and the old table is kept
     read-only for the way back."""
     async with scratch_database(services) as name:
-        owner_url = await _previous_release_ledger(services, name, tmp_path, monkeypatch)
+        owner_url = await previous_release_ledger(services, name, tmp_path, monkeypatch)
         owner = await asyncpg.connect(owner_url)
         try:
             await owner.execute("""
