@@ -108,12 +108,12 @@ async def _closings(url: str) -> list[asyncpg.Record]:
 def _times_around(closings: list[asyncpg.Record], sent: list[dict[str, Any]]) -> list[datetime]:
     """Just before and after each closing (where it sits in business time, and when it was taken), between each two,
     far before and after them all, and at the exact business time of a few movements (counted: occurred_at <= T)."""
-    taken = [r["positioned_at"] for r in closings]
+    placed = [r["positioned_at"] for r in closings]
     found = [t + timedelta(milliseconds=d) for r in closings for t in (r["positioned_at"], r["taken_at"])
              for d in (-1, 1)]
-    found += [a + (b - a) / 2 for a, b in itertools.pairwise(taken)]
-    found += [taken[0] - timedelta(hours=3), taken[0] - timedelta(minutes=30), taken[-1] + timedelta(minutes=30),
-              taken[-1] + timedelta(hours=2)]
+    found += [a + (b - a) / 2 for a, b in itertools.pairwise(placed)]
+    found += [placed[0] - timedelta(hours=3), placed[0] - timedelta(minutes=30), placed[-1] + timedelta(minutes=30),
+              placed[-1] + timedelta(hours=2)]
     found += [datetime.fromisoformat(str(m["occurred_at"])) for m in sent[::37]]
     return sorted(found)
 

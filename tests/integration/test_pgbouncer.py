@@ -18,7 +18,16 @@ import asyncpg
 import pytest
 
 from stock_ledger.clients.database import session_name
-from tests.support.helpers import Env, Services, WorkerPool, assert_exact, eventually, process_state, wait_drained
+from tests.support.helpers import (
+    Env,
+    Services,
+    WorkerPool,
+    assert_exact,
+    closings_off,
+    eventually,
+    process_state,
+    wait_drained,
+)
 from tests.support.services import WorkerProcess, produce, script
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
@@ -282,6 +291,27 @@ async def test_behind_the_transaction_pooler_one_pod_leads_the_monitors_by_a_lea
         failed = [e for e in lines if not (w is leader and str(e.get("error", "")).startswith("TimeoutError"))]
         assert not failed, failed
         assert '"monitor.lease_check_failed"' not in w.log_text()
+
+
+async def test_behind_the_transaction_pooler_the_monitor_takes_exact_closings_and_keeps_its_brins_summarized(
+    services: Services, database: Env, topic: str, workers: WorkerPool, poolers: dict[str, int],
+) -> None:
+    """The monitor's closings (a REPEATABLE READ transaction that locks ledger_closings) and its summarizing pass (a
+    SECURITY DEFINER function that locks each table NOWAIT) through the transaction pooler, every second while 3,000
+    movements arrive: closings are taken, each holds exactly the movements below its cut, no BRIN range is left
+    unchecked (stock_ledger_brin_ranges_behind 0 once drained) and no refresh failed."""
+    worker = workers.start(**through(database, poolers, "transaction"), STOCK_LEDGER_CLOSING_SECONDS="1")
+    await produce(services.kafka, topic, 3_000, seed=312, show_progress=False)
+    await wait_drained(services, database, topic, workers.group, 120, workers)
+    await assert_exact(services, database, topic, workers.group, rows=3_000, pool=workers)
+    taken = worker.log_text().count('"closing.taken"')
+    await eventually(lambda: worker.log_text().count('"closing.taken"') > taken + 1, 30,
+                     "closings after the drain", workers)
+    await eventually(lambda: worker.metric("stock_ledger_brin_ranges_behind") == 0, 30, "the BRINs summarized",
+                     workers)
+    assert not await closings_off(database.owner_url)
+    assert '"metrics.refresh_failed"' not in worker.log_text()
+    workers.assert_no_tracebacks()
 
 
 @pytest.mark.parametrize(("mode", "pooling", "says"), [
