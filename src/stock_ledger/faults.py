@@ -14,6 +14,8 @@ Points, in order:
     after_rows     inside the transaction, movements and quarantine rows written
     before_commit  inside the transaction, offsets advanced, COMMIT not yet sent
     after_commit   PostgreSQL committed, Kafka's advisory commit not yet sent
+and, in the monitor's leader:
+    during_closing inside a closing's transaction, its balances copied, COMMIT not yet sent
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-POINTS: Final = ("before_claim", "after_read", "during_copy", "after_rows", "before_commit", "after_commit")
+POINTS: Final = ("before_claim", "after_read", "during_copy", "after_rows", "before_commit", "after_commit",
+                  "during_closing")
 _ACTIONS: Final = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": None}
 
 

@@ -33,8 +33,9 @@ class TestSpec:
 
     def test_the_points_are_the_crash_points_in_batch_order(self) -> None:
         """The four moments of the first issue, plus `during_copy` (a worker frozen mid-COPY) and `before_claim` (a
-        claim delayed across a rebalance) of the hardening issue."""
-        assert POINTS == ("before_claim", "after_read", "during_copy", "after_rows", "before_commit", "after_commit")
+        claim delayed across a rebalance) of the hardening issue, then the monitor's `during_closing`."""
+        assert POINTS == ("before_claim", "after_read", "during_copy", "after_rows", "before_commit", "after_commit",
+                          "during_closing")
 
     @pytest.mark.parametrize("spec", [None, "", " ", ",", " , "])
     def test_no_spec_arms_nothing(self, spec: str | None) -> None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     import asyncpg
 
+    from stock_ledger.faults import Faults
     from stock_ledger.ledger.movements import Row
 
 # take waits out every include in flight, and includes wait for a take: SHARE ROW EXCLUSIVE conflicts with itself
@@ -135,7 +136,8 @@ class Summarized:
     behind: int  # left for the next calls
 
 
-async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, daily_after_days: int) -> Taken:
+async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, daily_after_days: int,
+               faults: Faults | None = None) -> Taken:
     """A closing of `topic`'s ledger now, unless the newest is younger than `every_seconds`; then thins the old."""
     started = time.monotonic()
     async with conn.transaction(isolation="repeatable_read"):
@@ -171,6 +173,8 @@ async def take(conn: asyncpg.Connection, topic: str, *, every_seconds: float, da
         pairs = int((await conn.execute(_COPY_LEVELS, closing_id)).split()[-1])
         seconds = time.monotonic() - started
         await conn.execute(_FINISH, closing_id, pairs, seconds)
+        if faults is not None:
+            faults.reached("during_closing")
         thinned = int((await conn.execute(_THIN, topic, daily_after_days)).split()[-1])
     return Taken(closing_id, row["taken_at"], row["positioned_at"], pairs, seconds, thinned)
 

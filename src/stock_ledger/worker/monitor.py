@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from aiokafka.admin import AIOKafkaAdminClient
 
     from stock_ledger.config import Settings
+    from stock_ledger.faults import Faults
     from stock_ledger.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -59,9 +60,10 @@ Export = Callable[[], None]
 
 class PositionMonitor:
     def __init__(self, settings: Settings, metrics: Metrics,
-                 connect: Callable[[], Awaitable[asyncpg.Connection]]) -> None:
+                 connect: Callable[[], Awaitable[asyncpg.Connection]], faults: Faults | None = None) -> None:
         self._s = settings
         self._m = metrics
+        self._faults = faults
         # A leader silent for three refreshes (at least 10 s) is frozen: the server ends its lease session (or,
         # behind a transaction pooler, its lease expires).
         silent = max(10.0, 3 * settings.position_refresh_seconds)
@@ -225,7 +227,7 @@ class PositionMonitor:
     async def _closings(self) -> Export:
         async with (await self._db()).acquire() as conn:
             taken = await closings.take(conn, self._s.topic, every_seconds=self._s.closing_seconds,
-                                        daily_after_days=self._s.closing_daily_after_days)
+                                        daily_after_days=self._s.closing_daily_after_days, faults=self._faults)
             # Every tick, not only after a closing: at most 2,048 ranges a call (2 GiB of segment read again), so a
             # tick every 5 minutes keeps up with about 3 billion movements a day.
             summarized = await closings.summarize(conn)

@@ -126,7 +126,7 @@ class Worker:
         log.info("worker.starting", settings=s.loggable())
         http = HttpServer(None, s.metrics_port, self.metrics.registry, self.liveness, self.readiness)
         await http.start()
-        monitor = PositionMonitor(s, self.metrics, functools.partial(worker_session, s))
+        monitor = PositionMonitor(s, self.metrics, functools.partial(worker_session, s), self.ledger.faults)
         advisor: asyncio.Task[None] | None = None
         try:
             await self.checks.check_pooling()
