@@ -83,7 +83,7 @@ class TestVerifyAfterSync:
         assert annotations["helm.sh/hook"] == "post-install,post-upgrade"
         drill = all_render.one("Job", f"{WORKERS}-chaos")["metadata"]["annotations"]
         assert int(annotations["argocd.argoproj.io/sync-wave"]) > int(drill["argocd.argoproj.io/sync-wave"])
-        [rule] = [r for r in all_render.one("NetworkPolicy")["spec"]["ingress"]
+        [rule] = [r for r in all_render.one("NetworkPolicy", WORKERS)["spec"]["ingress"]
                   if "podSelector" in r["from"][0] and "namespaceSelector" not in r["from"][0]]
         assert rule["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels(job).items()
 

@@ -75,22 +75,44 @@ def test_off_by_default(default_render: Rendered, all_render: Rendered) -> None:
     assert "NetworkPolicy" not in default_render.kinds() | all_render.kinds()
 
 
-def test_selects_the_worker_pods_and_nothing_else(render: Callable[..., Rendered]) -> None:
-    """Not the hooks, the helm test pod, the drill or the archive CronJob's pods: even with egress restricted, the
-    migration and archive pods (the owner role's DDL, Kafka's log start offsets) reach PostgreSQL and Kafka as
-    before, since no policy selects them."""
+def test_selects_the_worker_pods_and_the_archive_pods_and_nothing_else(render: Callable[..., Rendered]) -> None:
+    """The workers' policy selects the worker pods; with archive.enabled a second one selects the archive CronJob's
+    pods. Not the hooks, the helm test pod or the drill: even with egress restricted, the migration pods (the owner
+    role's DDL) reach PostgreSQL as before, since no policy selects them (a hook runs before the release's policies
+    exist on a first install)."""
     rendered = render(*REQUIRED, *ENABLED, "--set", "chaos.enabled=true", "--set", "chaos.database.existingSecret=d",
                       "--set", "archive.enabled=true", "--set", "networkPolicy.egress.restricted=true")
-    policy = rendered.one("NetworkPolicy")
+    workers = rendered.one("NetworkPolicy", f"{WORKERS}")
+    archive = rendered.one("NetworkPolicy", f"{WORKERS}-archive")
     checked: set[str] = set()
     for manifest in rendered.manifests:
         if manifest["kind"] not in {"Deployment", "Job", "Pod", "CronJob"}:
             continue
         checked.add(manifest["kind"])
-        selected = _matches(policy["spec"]["podSelector"], pod_labels(manifest))
-        assert selected is (kn(manifest) == f"Deployment/{WORKERS}"), kn(manifest)
+        labels = pod_labels(manifest)
+        assert _matches(workers["spec"]["podSelector"], labels) is (kn(manifest) == f"Deployment/{WORKERS}")
+        assert _matches(archive["spec"]["podSelector"], labels) is (kn(manifest) == f"CronJob/{WORKERS}-archive")
     assert checked == {"Deployment", "Job", "Pod", "CronJob"}
-    assert len(rendered.of_kind("NetworkPolicy")) == 1
+    assert len(rendered.of_kind("NetworkPolicy")) == 2
+    assert len(render(*REQUIRED, *ENABLED).of_kind("NetworkPolicy")) == 1, "an archive policy without the archive"
+
+
+def test_the_archive_pods_admit_nobody_and_leave_as_the_workers_do(render: Callable[..., Rendered]) -> None:
+    """They serve nothing: no source reaches any port of them, not even the metrics peers. Their egress is the
+    workers' (DNS, Kafka, PostgreSQL, extra) when restricted, open otherwise."""
+    for restricted in ("false", "true"):
+        rendered = render(*REQUIRED, *ENABLED, *PROMETHEUS, "--set", "archive.enabled=true",
+                          "--set", f"networkPolicy.egress.restricted={restricted}")
+        archive = rendered.one("NetworkPolicy", f"{WORKERS}-archive")["spec"]
+        workers = rendered.one("NetworkPolicy", f"{WORKERS}")["spec"]
+        assert archive["ingress"] == []
+        for labels, namespace in (({"app.kubernetes.io/name": "prometheus"}, "monitoring"),
+                                  ({"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "test"},
+                                   NAMESPACE), ({"app": "curl"}, NAMESPACE)):
+            assert not allows({"spec": archive}, labels, namespace, 9108)
+        assert archive["policyTypes"] == workers["policyTypes"]
+        assert archive.get("egress") == workers.get("egress")
+        assert ("egress" in archive) is (restricted == "true")
 
 
 def test_helm_test_reaches_every_worker_readyz_through_the_headless_service(policy_render: Rendered) -> None:
@@ -153,8 +175,9 @@ def test_policies_validate_strictly(render: Callable[..., Rendered]) -> None:
 
     for flags in ((), ("--set", "networkPolicy.egress.restricted=true",
                        "--set", "networkPolicy.egress.database.to[0].podSelector.matchLabels.app=pgbouncer")):
-        policy = render(*REQUIRED, *ENABLED, *PROMETHEUS, *flags).one("NetworkPolicy")
-        kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+        for policy in render(*REQUIRED, *ENABLED, *PROMETHEUS, "--set", "archive.enabled=true",
+                             *flags).of_kind("NetworkPolicy"):
+            kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
 
 
 @pytest.mark.parametrize(

@@ -618,3 +618,40 @@ volumes:
   {{- include "stock-ledger.tmpVolume" . | nindent 2 }}
   {{- with include "stock-ledger.securityVolumes" . | trim }}{{ . | nindent 2 }}{{- end }}
 {{- end }}
+
+{{/*
+A NetworkPolicy's egress rules (called with .Values.networkPolicy): nothing unless egress.restricted; then DNS, the
+brokers, PostgreSQL and egress.extra.
+*/}}
+{{- define "stock-ledger.networkPolicyEgress" -}}
+{{- $np := . }}
+  {{- if $np.egress.restricted }}
+  egress:
+    # Name resolution: the brokers' advertised names and the database host.
+    - ports:
+        - protocol: UDP
+          port: 53
+        - protocol: TCP
+          port: 53
+      {{- with $np.egress.dnsTo }}
+      to:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    {{- range $name := list "kafka" "database" }}
+    {{- $rule := get $np.egress $name }}
+    # {{ $name }}
+    - ports:
+        {{- range $rule.ports }}
+        - protocol: TCP
+          port: {{ . }}
+        {{- end }}
+      {{- with $rule.to }}
+      to:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    {{- end }}
+    {{- with $np.egress.extra }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- end }}
+{{- end }}
