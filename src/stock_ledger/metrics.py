@@ -27,7 +27,7 @@ from stock_ledger.domain import RejectCode
 from stock_ledger.versions import version_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+    from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 _P = "stock_ledger_"
 _RETRY_CAUSES = ("database", "kafka", "lock", "movement_id_race", "schema_registry")
@@ -274,6 +274,15 @@ class Metrics:
                       self.brin_ranges_behind):
             value.set(0)
         self.coordinates_unique.set(1)  # until a check says otherwise: absent is not broken
+
+    def partitions_owned(self, owned: Collection[tuple[str, int]]) -> None:
+        """Drop this worker's series of the (topic, partition)s it does not own (any more): their owner exports them,
+        and a frozen low headroom would hold StockLedgerSegmentsRunningOut (a min over the pods) firing."""
+        kept = {(topic, str(partition)) for topic, partition in owned}
+        for family in self.segment_headroom.collect():
+            for s in family.samples:
+                if (s.labels["topic"], s.labels["partition"]) not in kept:
+                    self.segment_headroom.remove(s.labels["group"], s.labels["topic"], s.labels["partition"])
 
     def batch_committed(self, applied: int, rejected: Mapping[str, int], records: int, seconds: float,
                         timestamps_ms: Sequence[int]) -> None:

@@ -22,6 +22,7 @@ from tests.support.helpers import (
     Services,
     WorkerPool,
     assert_exact,
+    eventually,
     movement,
     scratch_database,
     wait_drained,
@@ -30,6 +31,8 @@ from tests.support.services import WORKER_PASSWORD, produce
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from tests.support.services import WorkerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
@@ -85,6 +88,36 @@ async def test_a_drain_across_many_segments_is_exact_and_keeps_headroom(
     headroom = [w.metric("stock_ledger_segment_headroom", {"partition": str(p)}) for p in range(24) for w in pair]
     assert [h for h in headroom if h is not None], "no worker exports stock_ledger_segment_headroom"
     assert all(h >= 0.5 for h in headroom if h is not None), headroom
+    workers.assert_no_tracebacks()
+
+
+async def test_a_partition_s_headroom_is_exported_by_its_owner_only(
+    services: Services, database: Env, topic: str, workers: WorkerPool,
+) -> None:
+    """One worker drains alone and exports the headroom of every partition; a second joins and takes some of them.
+    Once both have applied more movements, each partition's headroom is exported by exactly one worker, the one that
+    owns it: a worker forgets the series of the partitions it lost (a frozen low value would keep the alert, a min
+    over the pods, firing after the partition moved)."""
+    def exported(worker: WorkerProcess) -> set[int]:
+        return {p for p in range(24) if worker.metric("stock_ledger_segment_headroom", {"partition": str(p)})
+                is not None}
+
+    await produce(services.kafka, topic, 1_200, seed=93, show_progress=False)
+    first = workers.start()
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    assert exported(first) == set(range(24))
+    second = workers.start()
+    await eventually(lambda: (second.metric("stock_ledger_assigned_partitions") or 0) > 0
+                     and (first.metric("stock_ledger_assigned_partitions") or 24) < 24, 60, "the partitions shared",
+                     workers)
+    await produce(services.kafka, topic, 1_200, seed=94, show_progress=False)
+    await wait_drained(services, database, topic, workers.group, 60, workers)
+    await assert_exact(services, database, topic, workers.group, rows=2_400, pool=workers)
+    mine, theirs = exported(first), exported(second)
+    assert mine, theirs
+    assert theirs, mine
+    assert not mine & theirs, f"exported by both: {sorted(mine & theirs)}"
+    assert mine | theirs == set(range(24))
     workers.assert_no_tracebacks()
 
 

@@ -242,3 +242,13 @@ def test_end_to_end_latency_at_every_bucket_edge() -> None:
         edges = [math.floor(now_ms - b * 1000) + d for b in (0.0, *_BOUNDS) for d in range(-2, 3)]
         _check_ages(now, edges)
         _check_ages(now, [*edges, -1, -1, int(now_ms) + 5_000])  # "none", and a timestamp ahead of now
+
+
+def test_a_partition_no_longer_owned_leaves_the_headroom_of_this_worker(metrics: Metrics) -> None:
+    """Its owner exports it; a value frozen here would keep a min over the pods (the alert's) wherever it was."""
+    for topic, partition in (("t", 1), ("t", 2), ("u", 1)):
+        metrics.segment_headroom.labels("g", topic, str(partition)).set(0.1)
+    metrics.partitions_owned({("t", 2), ("t", 7), ("u", 1)})  # 7: not written here yet
+    left = {(s.labels["topic"], s.labels["partition"]) for family in metrics.segment_headroom.collect()
+            for s in family.samples}
+    assert left == {("t", "2"), ("u", "1")}

@@ -41,6 +41,8 @@ class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self._consumer.pause(*assigned)  # no await before this line
         self._assignment.assigned(tp.partition for tp in assigned)
         self._metrics.rebalances.inc()
+        # aiokafka's protocol is eager: `assigned` is this worker's whole assignment, after all was revoked.
+        self._metrics.partitions_owned({(tp.topic, tp.partition) for tp in assigned})
         log.info("rebalance.assigned", partitions=sorted(tp.partition for tp in assigned),
                  generation=getattr(getattr(self._consumer, "_coordinator", None), "generation", None))
 
